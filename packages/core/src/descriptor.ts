@@ -1,0 +1,184 @@
+/**
+ * Wire formats the engine owns: the exportable memory descriptor and the peer endpoint.
+ *
+ * Descriptor v1 (all integers big-endian):
+ *   "TWD" u8 version=1 | str8 ownerNodeId | str8 ownerIncarnation | str8 registrationId
+ *   | u8 memoryKind (0 host, 1 cuda) | u64 byteLength | u8 count
+ *   | count × (str8 transport, u16 length, payload)
+ *
+ * Endpoint v1:
+ *   "TWE" u8 version=1 | str8 nodeId | str8 incarnation | str8 hostId | u8 count
+ *   | count × (str8 transport, u16 length, endpoint blob)
+ *
+ * Both decoders validate every field (lengths, ids, kinds, duplicates) and reject trailing
+ * bytes, so a descriptor or endpoint from an untrusted peer fails with InvalidInputError.
+ */
+import { ByteReader, ByteWriter } from './codec.js';
+import { InvalidInputError } from './errors.js';
+import { assertOwner, idProblem } from './ids.js';
+import type { MemoryKind, NodeIdentity } from './transport.js';
+
+export const DESCRIPTOR_VERSION = 1;
+export const ENDPOINT_VERSION = 1;
+export const MAX_TRANSPORTS_PER_BLOB = 16;
+const DESCRIPTOR_MAGIC = [0x54, 0x57, 0x44]; // TWD
+const ENDPOINT_MAGIC = [0x54, 0x57, 0x45]; // TWE
+const TRANSPORT_NAME_RE = /^[a-z][a-z0-9-]{0,31}$/;
+const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
+
+export interface MemoryDescriptor {
+  readonly owner: Pick<NodeIdentity, 'nodeId' | 'incarnation'>;
+  /** Owner-namespaced block id, `block:<ownerNodeId>:<n>`. */
+  readonly registrationId: string;
+  readonly memoryKind: MemoryKind;
+  readonly byteLength: number;
+  /** Transport name → that transport's payload. */
+  readonly transports: ReadonlyMap<string, Uint8Array>;
+}
+
+export interface PeerEndpoint {
+  readonly identity: NodeIdentity;
+  /** Transport name → that transport's endpoint blob. */
+  readonly transports: ReadonlyMap<string, Uint8Array>;
+}
+
+export function assertTransportName(name: unknown): asserts name is string {
+  if (typeof name !== 'string' || !TRANSPORT_NAME_RE.test(name)) {
+    throw new InvalidInputError(`transport name ${JSON.stringify(name)} must match ${TRANSPORT_NAME_RE}`, {
+      details: { field: 'transport' },
+    });
+  }
+}
+
+function assertToken(value: string, field: string): void {
+  if (!TOKEN_RE.test(value)) {
+    throw new InvalidInputError(`${field} ${JSON.stringify(value.slice(0, 80))} must be 1-64 characters of [A-Za-z0-9_-]`, {
+      details: { field },
+    });
+  }
+}
+
+function kindToByte(kind: MemoryKind): number {
+  if (kind === 'host') return 0;
+  if (kind === 'cuda') return 1;
+  throw new InvalidInputError(`unknown memory kind ${JSON.stringify(kind)}`, { details: { field: 'memoryKind' } });
+}
+
+function byteToKind(b: number): MemoryKind {
+  if (b === 0) return 'host';
+  if (b === 1) return 'cuda';
+  throw new InvalidInputError(`unknown memory kind byte ${b}`, { details: { field: 'memoryKind' } });
+}
+
+function writeTransports(w: ByteWriter, transports: ReadonlyMap<string, Uint8Array>): void {
+  if (transports.size === 0 || transports.size > MAX_TRANSPORTS_PER_BLOB) {
+    throw new InvalidInputError(`between 1 and ${MAX_TRANSPORTS_PER_BLOB} transports required, got ${transports.size}`);
+  }
+  w.u8(transports.size);
+  for (const [name, payload] of transports) {
+    assertTransportName(name);
+    w.str8(name).blob16(payload);
+  }
+}
+
+function readTransports(r: ByteReader): Map<string, Uint8Array> {
+  const count = r.u8('transport count');
+  if (count === 0 || count > MAX_TRANSPORTS_PER_BLOB) {
+    throw new InvalidInputError(`transport count ${count} is not between 1 and ${MAX_TRANSPORTS_PER_BLOB}`, {
+      details: { field: 'transport count' },
+    });
+  }
+  const out = new Map<string, Uint8Array>();
+  for (let i = 0; i < count; i++) {
+    const name = r.str8('transport name');
+    assertTransportName(name);
+    if (out.has(name)) throw new InvalidInputError(`transport ${name} listed twice`, { details: { field: 'transport' } });
+    out.set(name, r.blob16('transport payload').slice());
+  }
+  return out;
+}
+
+function readMagic(r: ByteReader, magic: number[], version: number, what: string): void {
+  for (let i = 0; i < magic.length; i++) {
+    if (r.u8('magic') !== magic[i]) throw new InvalidInputError(`not a tensorwire ${what} (bad magic)`, { details: { field: 'magic' } });
+  }
+  const v = r.u8('version');
+  if (v !== version) {
+    throw new InvalidInputError(`${what} version ${v} is not supported (expected ${version})`, { details: { field: 'version' } });
+  }
+}
+
+export function encodeDescriptor(d: MemoryDescriptor): Uint8Array {
+  assertOwner(d.owner.nodeId);
+  assertToken(d.owner.incarnation, 'incarnation');
+  const problem = idProblem(d.registrationId, 'block');
+  if (problem !== undefined) throw new InvalidInputError(problem, { details: { field: 'registrationId' } });
+  if (!Number.isSafeInteger(d.byteLength) || d.byteLength <= 0) {
+    throw new InvalidInputError(`byteLength ${d.byteLength} must be a positive safe integer`, { details: { field: 'byteLength' } });
+  }
+  const w = new ByteWriter(128);
+  for (const b of DESCRIPTOR_MAGIC) w.u8(b);
+  w.u8(DESCRIPTOR_VERSION).str8(d.owner.nodeId).str8(d.owner.incarnation).str8(d.registrationId);
+  w.u8(kindToByte(d.memoryKind)).u64(d.byteLength);
+  writeTransports(w, d.transports);
+  return w.finish();
+}
+
+export function decodeDescriptor(bytes: Uint8Array): MemoryDescriptor {
+  const r = new ByteReader(bytes, 'memory descriptor');
+  readMagic(r, DESCRIPTOR_MAGIC, DESCRIPTOR_VERSION, 'memory descriptor');
+  const nodeId = r.str8('owner node id');
+  assertOwner(nodeId);
+  const incarnation = r.str8('owner incarnation');
+  assertToken(incarnation, 'incarnation');
+  const registrationId = r.str8('registration id');
+  const problem = idProblem(registrationId, 'block');
+  if (problem !== undefined) throw new InvalidInputError(problem, { details: { field: 'registrationId' } });
+  if (registrationId.split(':')[1] !== nodeId) {
+    throw new InvalidInputError(`registration id ${registrationId} does not belong to owner ${nodeId}`, {
+      details: { field: 'registrationId' },
+    });
+  }
+  const memoryKind = byteToKind(r.u8('memory kind'));
+  const byteLength = r.safeU64('byte length');
+  if (byteLength === 0) throw new InvalidInputError('byte length is 0', { details: { field: 'byteLength' } });
+  const transports = readTransports(r);
+  r.end();
+  return { owner: { nodeId, incarnation }, registrationId, memoryKind, byteLength, transports };
+}
+
+export function encodeEndpoint(e: PeerEndpoint): Uint8Array {
+  assertOwner(e.identity.nodeId);
+  assertToken(e.identity.incarnation, 'incarnation');
+  assertToken(e.identity.hostId, 'hostId');
+  const w = new ByteWriter(128);
+  for (const b of ENDPOINT_MAGIC) w.u8(b);
+  w.u8(ENDPOINT_VERSION).str8(e.identity.nodeId).str8(e.identity.incarnation).str8(e.identity.hostId);
+  writeTransports(w, e.transports);
+  return w.finish();
+}
+
+export function decodeEndpoint(bytes: Uint8Array): PeerEndpoint {
+  const r = new ByteReader(bytes, 'peer endpoint');
+  readMagic(r, ENDPOINT_MAGIC, ENDPOINT_VERSION, 'peer endpoint');
+  const nodeId = r.str8('node id');
+  assertOwner(nodeId);
+  const incarnation = r.str8('incarnation');
+  assertToken(incarnation, 'incarnation');
+  const hostId = r.str8('host id');
+  assertToken(hostId, 'hostId');
+  const transports = readTransports(r);
+  r.end();
+  return { identity: { nodeId, incarnation, hostId }, transports };
+}
+
+/** Endpoint blobs travel in JSON and environment variables as base64url. */
+export function endpointToString(bytes: Uint8Array): string {
+  return Buffer.from(bytes.buffer, bytes.byteOffset, bytes.byteLength).toString('base64url');
+}
+export function endpointFromString(text: string): Uint8Array {
+  if (typeof text !== 'string' || !/^[A-Za-z0-9_-]*$/.test(text)) {
+    throw new InvalidInputError('endpoint string is not base64url', { details: { field: 'endpoint' } });
+  }
+  return new Uint8Array(Buffer.from(text, 'base64url'));
+}
