@@ -1,0 +1,139 @@
+/**
+ * Child processes for scenarios. Every child is tracked and killed when the parent exits,
+ * is interrupted, or the scenario is aborted, so no error path leaves an orphan. Children
+ * talk to the parent over the IPC channel with JSON messages.
+ */
+import { fork, type ChildProcess } from 'node:child_process';
+import { once } from 'node:events';
+import { fileURLToPath } from 'node:url';
+import { BenchError } from './types.js';
+
+const live = new Set<ChildProcess>();
+let hooked = false;
+
+function killAll(): void {
+  for (const c of live) {
+    try {
+      c.kill('SIGKILL');
+    } catch {
+      // already gone
+    }
+  }
+  live.clear();
+}
+
+function hookExit(): void {
+  if (hooked) return;
+  hooked = true;
+  process.on('exit', killAll);
+  for (const sig of ['SIGINT', 'SIGTERM', 'SIGHUP'] as const) {
+    process.on(sig, () => {
+      killAll();
+      process.exit(sig === 'SIGINT' ? 130 : 143);
+    });
+  }
+}
+
+/** Absolute path of a compiled worker script in dist/workers. */
+export function workerPath(name: string): string {
+  return fileURLToPath(new URL(`./workers/${name}.js`, import.meta.url));
+}
+
+export interface Worker {
+  readonly child: ChildProcess;
+  readonly pid: number;
+  /** Send a message. */
+  send(message: unknown): void;
+  /** Wait for the next message satisfying `match`; rejects if the child exits first or the signal fires. */
+  next<T = Record<string, unknown>>(match: (m: Record<string, unknown>) => boolean, signal?: AbortSignal): Promise<T>;
+  /** SIGKILL it (idempotent). */
+  kill(): void;
+  /** Wait for it to exit. */
+  exited: Promise<{ code: number | null; signal: NodeJS.Signals | null }>;
+}
+
+/** Fork dist/workers/<name>.js with args; tracked for cleanup. */
+export function spawnWorker(name: string, args: readonly string[] = [], env: NodeJS.ProcessEnv = {}): Worker {
+  hookExit();
+  const child = fork(workerPath(name), [...args], {
+    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
+    env: { ...process.env, ...env },
+    serialization: 'advanced',
+  });
+  live.add(child);
+  const inbox: Record<string, unknown>[] = [];
+  const waiters: { match: (m: Record<string, unknown>) => boolean; resolve: (m: Record<string, unknown>) => void; reject: (e: Error) => void }[] = [];
+  let exitInfo: { code: number | null; signal: NodeJS.Signals | null } | undefined;
+  const exited = once(child, 'exit').then(([code, signal]) => {
+    live.delete(child);
+    exitInfo = { code: code as number | null, signal: signal as NodeJS.Signals | null };
+    for (const w of waiters.splice(0)) {
+      w.reject(new BenchError(`worker ${name} exited (${exitInfo.signal ?? `code ${exitInfo.code}`}) before answering`));
+    }
+    return exitInfo;
+  });
+  child.on('message', (m: unknown) => {
+    if (typeof m !== 'object' || m === null) return;
+    const msg = m as Record<string, unknown>;
+    const i = waiters.findIndex((w) => w.match(msg));
+    if (i >= 0) {
+      const [w] = waiters.splice(i, 1);
+      w?.resolve(msg);
+    } else inbox.push(msg);
+  });
+  child.on('error', () => {
+    // surfaced through 'exit'
+  });
+  return {
+    child,
+    pid: child.pid ?? -1,
+    send(message) {
+      if (child.connected) child.send(message as never);
+    },
+    next<T>(match: (m: Record<string, unknown>) => boolean, signal?: AbortSignal): Promise<T> {
+      const i = inbox.findIndex(match);
+      if (i >= 0) return Promise.resolve(inbox.splice(i, 1)[0] as T);
+      if (exitInfo) return Promise.reject(new BenchError(`worker ${name} has exited`));
+      return new Promise<T>((resolve, reject) => {
+        const w = { match, resolve: resolve as (m: Record<string, unknown>) => void, reject };
+        waiters.push(w);
+        signal?.addEventListener(
+          'abort',
+          () => {
+            const j = waiters.indexOf(w);
+            if (j >= 0) waiters.splice(j, 1);
+            reject(new BenchError('aborted'));
+          },
+          { once: true },
+        );
+      });
+    },
+    kill() {
+      if (exitInfo === undefined) child.kill('SIGKILL');
+    },
+    exited,
+  };
+}
+
+/** Kill every worker still alive (used on error paths). */
+export function killAllWorkers(): void {
+  killAll();
+}
+
+/**
+ * In a worker: send a message to the parent, and exit when the parent goes away so a
+ * SIGKILLed parent never leaves this process behind.
+ */
+export function workerInit(): { send(message: unknown): void; onMessage(listener: (m: Record<string, unknown>) => void): void } {
+  process.on('disconnect', () => process.exit(0));
+  return {
+    send(message) {
+      process.send?.(message as never);
+    },
+    onMessage(listener) {
+      process.on('message', (m: unknown) => {
+        if (typeof m === 'object' && m !== null) listener(m as Record<string, unknown>);
+      });
+    },
+  };
+}

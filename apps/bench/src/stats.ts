@@ -1,0 +1,23 @@
+/** Percentile by nearest rank on a copy of the samples. */
+export function percentile(samples: readonly number[], p: number): number {
+  if (samples.length === 0) return Number.NaN;
+  const sorted = [...samples].sort((a, b) => a - b);
+  const rank = Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1));
+  return sorted[rank] as number;
+}
+
+export function summarize(samplesMs: readonly number[], keep = 2000): { count: number; p50Ms: number; p99Ms: number; samplesMs: number[] } {
+  const step = Math.max(1, Math.floor(samplesMs.length / keep));
+  const kept: number[] = [];
+  for (let i = 0; i < samplesMs.length; i += step) kept.push(samplesMs[i] as number);
+  return { count: samplesMs.length, p50Ms: percentile(samplesMs, 50), p99Ms: percentile(samplesMs, 99), samplesMs: kept };
+}
+
+/** Decimal GB/s. */
+export function gbps(bytes: number, ms: number): number {
+  return ms <= 0 ? 0 : bytes / (ms / 1000) / 1e9;
+}
+
+export function nowMs(): number {
+  return Number(process.hrtime.bigint()) / 1e6;
+}
