@@ -5,3 +5,8 @@ export * from './logger.js';
 export * from './transport.js';
 export * from './descriptor.js';
 export * from './host-id.js';
+export * from './deferred.js';
+export * from './metrics.js';
+export * from './engine.js';
+export { TcpTransport, TcpConnection, encodeTcpEndpoint, decodeTcpEndpoint, type TcpTransportOptions } from './tcp/transport.js';
+export * as tcpFrames from './tcp/frames.js';

@@ -54,10 +54,12 @@ export interface TransportCapabilities {
   readonly remote: boolean;
   /** Memory kinds it can register and move. */
   readonly memoryKinds: readonly MemoryKind[];
-  /** The remote CPU does not touch the bytes of a READ (RDMA READ, CUDA IPC). */
+  /** A READ needs no action from the remote application: the transport (or the NIC) serves it. */
   readonly oneSidedRead: boolean;
   /** Likewise for WRITE. */
   readonly oneSidedWrite: boolean;
+  /** The remote CPU does not touch the bytes at all (RDMA, CUDA IPC). False for TCP. */
+  readonly cpuBypass?: boolean;
   /** Each registration is granted separately and can be revoked, after which remote access fails. */
   readonly scopedGrants: boolean;
   /** Preference when several transports can serve a peer: higher is faster. TCP is 10. */
@@ -121,13 +123,25 @@ export interface TransportConnection {
    * Run chunks on one stream. Resolves when every chunk completed; rejects with a
    * TensorwireError. Must not settle while the hardware or socket can still touch any
    * chunk's memory: on abort or deadline, quiesce first, then reject.
+   *
+   * Reject with ResourceExhaustedError only when none of the chunks was started: the engine
+   * then backs off and calls again with the same chunks, on the same connection. Reject
+   * with an error whose `breaksConnection` is true when the connection can no longer be
+   * used; the engine then removes it from its table in one step.
    */
   execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void>;
   /** Called exactly once when the connection stops being usable (error undefined on an orderly close). */
   onClose(listener: (error: TensorwireError | undefined) => void): void;
-  /** Called when the peer asks to retire this connection (it settled a simultaneous open the other way). */
+  /**
+   * Called when the peer asks to retire this connection (it settled a simultaneous open the
+   * other way). The engine stops choosing it; the transport lets in-flight work on both sides
+   * finish and then closes it by itself.
+   */
   onRetire(listener: () => void): void;
-  /** Graceful close: tell the peer, let in-flight work finish, then close. */
+  /**
+   * Graceful close: tell the peer, stop accepting new `execute` calls once in-flight ones are
+   * done, keep serving the peer's in-flight requests, then close. Resolves when closed.
+   */
   retire(): Promise<void>;
   /** Abortive close: fail in-flight work with `error` (default ClosedError), quiesce, release. Idempotent. */
   close(error?: TensorwireError): Promise<void>;

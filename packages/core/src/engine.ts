@@ -1,0 +1,881 @@
+/**
+ * The transfer engine: everything above the device layer.
+ *
+ * - transports register with it; it picks one per peer and memory kind and can explain why;
+ * - it keeps one connection table keyed by peer identity (node id + transport); each entry
+ *   owns its per-connection state (round-robin counter, in-flight count); concurrent callers
+ *   share one handshake; a simultaneous open from both sides settles on the connection opened
+ *   by the node with the smaller id, on both sides, without a protocol round trip;
+ *   invalidation is one `Map.delete` followed by an abortive close;
+ * - it validates every request before anything reaches a transport, splits it into chunks of
+ *   min(remaining, chunkBytes), spreads them over the connection's streams, backs off on
+ *   local exhaustion, enforces deadlines and AbortSignals, and settles each call exactly once
+ *   after every chunk has quiesced.
+ */
+import { randomBytes } from 'node:crypto';
+import { deferred, raceSignal, sleep, type Deferred } from './deferred.js';
+import {
+  decodeDescriptor,
+  decodeEndpoint,
+  encodeDescriptor,
+  encodeEndpoint,
+  type MemoryDescriptor,
+  type PeerEndpoint,
+} from './descriptor.js';
+import {
+  AbortedError,
+  BackendUnavailableError,
+  ClosedError,
+  ConnectionBrokenError,
+  InvalidInputError,
+  ResourceExhaustedError,
+  TensorwireError,
+  TimedOutError,
+  errorFromSignal,
+  toTensorwireError,
+} from './errors.js';
+import { IdAllocator, IdRegistry, assertOwner } from './ids.js';
+import { consoleLogger, type Logger } from './logger.js';
+import { EngineMetrics, type MetricsOptions } from './metrics.js';
+import { defaultHostId } from './host-id.js';
+import {
+  TRANSPORT_SPECIFICATION_VERSION,
+  memoryByteLength,
+  type Memory,
+  type MemoryKind,
+  type NodeIdentity,
+  type TransferChunk,
+  type Transport,
+  type TransportConnection,
+  type TransportHost,
+} from './transport.js';
+
+export interface TransferEngineOptions {
+  /** This node's id: an owner name (letters, digits, `_`, `-`). Stable across restarts. */
+  nodeId: string;
+  transports: readonly Transport[];
+  /** Random per start by default; a restarted node is a new incarnation. */
+  incarnation?: string;
+  /** Machine id; processes with equal host ids can use same-host transports. */
+  hostId?: string;
+  /** Parallel streams (sockets, queue pairs) per peer connection. Default 2. */
+  streamsPerPeer?: number;
+  /** Largest chunk a transfer is split into. Default 1 MiB; capped by each transport's maxChunkBytes. */
+  chunkBytes?: number;
+  /** Deadline for a transfer when the call gives none. Default 30 s. */
+  defaultTimeoutMs?: number;
+  /** Deadline for a connection handshake. Default 10 s. */
+  connectTimeoutMs?: number;
+  /** Metrics options, or false to disable. */
+  metrics?: MetricsOptions | false;
+  logger?: Logger;
+}
+
+export interface TransferRequest {
+  /** A registration of this engine. */
+  local: Registration;
+  localOffset?: number;
+  /** The peer's exported descriptor (bytes from `registration.descriptor`) or its decoded form. */
+  remote: Uint8Array | MemoryDescriptor;
+  remoteOffset?: number;
+  /** Bytes to move. Default: what is left of the local registration after `localOffset`. */
+  length?: number;
+}
+
+export interface TransferOptions {
+  signal?: AbortSignal;
+  /** Relative deadline. Default: the engine's defaultTimeoutMs. */
+  timeoutMs?: number;
+  /** Absolute deadline (Date.now() ms); the earlier of this and timeoutMs wins. */
+  deadline?: number;
+}
+
+export interface TransferReport {
+  readonly transport: string;
+  readonly bytes: number;
+  readonly chunks: number;
+  readonly requests: number;
+}
+
+export interface CandidateExplanation {
+  readonly transport: string;
+  readonly rank: number;
+  readonly usable: boolean;
+  /** Why it is usable or not. */
+  readonly reason: string;
+}
+
+export interface Explanation {
+  readonly peer: string;
+  readonly memoryKind: MemoryKind;
+  /** The transport that will be used, or undefined when none can. */
+  readonly chosen: string | undefined;
+  readonly reason: string;
+  /** True when a faster transport this node has could not be used for this peer. */
+  readonly slowerPath: boolean;
+  /** Every transport considered, fastest first. */
+  readonly candidates: readonly CandidateExplanation[];
+}
+
+export interface ConnectionInfo {
+  readonly peer: NodeIdentity;
+  readonly transport: string;
+  readonly state: 'connecting' | 'open';
+  readonly initiator: string | undefined;
+  readonly streams: number;
+  readonly inFlight: number;
+}
+
+interface RegistrationEntry {
+  readonly transport: Transport;
+  readonly handle: object;
+  readonly payload: Uint8Array;
+}
+
+/**
+ * Memory registered with the engine. Its `descriptor` can be sent to peers (it carries one
+ * payload per transport that registered it, each with its own unguessable grant where the
+ * transport scopes grants). `revoke()` ends remote access; idempotent.
+ */
+export class Registration {
+  readonly id: string;
+  readonly memory: Memory;
+  readonly memoryKind: MemoryKind;
+  readonly byteLength: number;
+  readonly descriptor: Uint8Array;
+  /** Transports that could not register this memory, and why. */
+  readonly skipped: ReadonlyMap<string, string>;
+  readonly #entries: ReadonlyMap<string, RegistrationEntry>;
+  readonly #onRevoke: (r: Registration) => void;
+  #revoked: Promise<void> | undefined;
+
+  /** @internal */
+  constructor(
+    id: string,
+    memory: Memory,
+    descriptor: Uint8Array,
+    entries: ReadonlyMap<string, RegistrationEntry>,
+    skipped: ReadonlyMap<string, string>,
+    onRevoke: (r: Registration) => void,
+  ) {
+    this.id = id;
+    this.memory = memory;
+    this.memoryKind = memory.kind;
+    this.byteLength = memoryByteLength(memory);
+    this.descriptor = descriptor;
+    this.#entries = entries;
+    this.skipped = skipped;
+    this.#onRevoke = onRevoke;
+  }
+  get revoked(): boolean {
+    return this.#revoked !== undefined;
+  }
+  get transports(): readonly string[] {
+    return [...this.#entries.keys()];
+  }
+  /** @internal */
+  handleFor(transport: string): object | undefined {
+    return this.#entries.get(transport)?.handle;
+  }
+  /** Revoke every transport's grant; resolves once no transport can touch the memory. */
+  revoke(): Promise<void> {
+    if (this.#revoked) return this.#revoked;
+    this.#onRevoke(this);
+    this.#revoked = Promise.allSettled([...this.#entries.values()].map((e) => e.transport.revoke(e.handle))).then(() => undefined);
+    return this.#revoked;
+  }
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.revoke();
+  }
+}
+
+/** One entry of the connection table: the engine's state for one peer on one transport. */
+class PeerConnection {
+  readonly key: string;
+  readonly peer: NodeIdentity;
+  readonly transport: Transport;
+  readonly ready: Deferred<TransportConnection>;
+  conn: TransportConnection | undefined;
+  /** Round-robin cursor over the connection's streams; belongs to this connection only. */
+  nextStream = 0;
+  inFlight = 0;
+  constructor(key: string, peer: NodeIdentity, transport: Transport) {
+    this.key = key;
+    this.peer = peer;
+    this.transport = transport;
+    this.ready = deferred<TransportConnection>();
+  }
+}
+
+interface PreparedRequest {
+  readonly localHandle: object;
+  readonly localOffset: number;
+  readonly remote: unknown;
+  readonly remoteOffset: number;
+  readonly length: number;
+}
+
+const DEFAULT_CHUNK = 1024 * 1024;
+
+function connectionKey(nodeId: string, transport: string): string {
+  // nodeId cannot contain '/', so the key is unambiguous.
+  return `${nodeId}/${transport}`;
+}
+
+function checkInteger(value: unknown, field: string, min: number): number {
+  if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < min) {
+    throw new InvalidInputError(`${field} must be an integer >= ${min}, got ${String(value)}`, { details: { field } });
+  }
+  return value;
+}
+
+export class TransferEngine {
+  readonly identity: NodeIdentity;
+  readonly metrics: EngineMetrics | undefined;
+  readonly streamsPerPeer: number;
+  readonly chunkBytes: number;
+  readonly defaultTimeoutMs: number;
+  readonly connectTimeoutMs: number;
+  readonly #transports = new Map<string, Transport>();
+  readonly #logger: Logger;
+  readonly #table = new Map<string, PeerConnection>();
+  readonly #registrations = new IdRegistry<Registration, 'block'>('block');
+  readonly #ids: IdAllocator;
+  readonly #inflight = new Set<AbortController>();
+  readonly #warned = new Set<string>();
+  #started: Promise<void> | undefined;
+  #closed: Promise<void> | undefined;
+  #endpoint: Uint8Array | undefined;
+
+  constructor(options: TransferEngineOptions) {
+    assertOwner(options.nodeId);
+    if (!Array.isArray(options.transports) || options.transports.length === 0) {
+      throw new InvalidInputError('at least one transport is required', { details: { field: 'transports' } });
+    }
+    for (const t of options.transports) {
+      if (t.specificationVersion !== TRANSPORT_SPECIFICATION_VERSION) {
+        throw new InvalidInputError(
+          `transport ${t.name} implements specification ${String(t.specificationVersion)}, this engine speaks ${TRANSPORT_SPECIFICATION_VERSION}`,
+          { details: { field: 'transports' } },
+        );
+      }
+      if (this.#transports.has(t.name)) throw new InvalidInputError(`transport ${t.name} given twice`, { details: { field: 'transports' } });
+      this.#transports.set(t.name, t);
+    }
+    this.streamsPerPeer = checkInteger(options.streamsPerPeer ?? 2, 'streamsPerPeer', 1);
+    this.chunkBytes = checkInteger(options.chunkBytes ?? DEFAULT_CHUNK, 'chunkBytes', 1);
+    this.defaultTimeoutMs = checkInteger(options.defaultTimeoutMs ?? 30_000, 'defaultTimeoutMs', 1);
+    this.connectTimeoutMs = checkInteger(options.connectTimeoutMs ?? 10_000, 'connectTimeoutMs', 1);
+    const incarnation = options.incarnation ?? randomBytes(12).toString('base64url');
+    const hostId = options.hostId ?? defaultHostId();
+    this.identity = Object.freeze({ nodeId: options.nodeId, incarnation, hostId });
+    this.#ids = new IdAllocator(options.nodeId);
+    this.#logger = options.logger ?? consoleLogger();
+    this.metrics = options.metrics === false ? undefined : new EngineMetrics(options.metrics ?? {});
+  }
+
+  get transports(): readonly Transport[] {
+    return [...this.#transports.values()];
+  }
+
+  get closed(): boolean {
+    return this.#closed !== undefined;
+  }
+
+  /** Start every transport (listen, open devices). Idempotent. */
+  start(): Promise<void> {
+    this.#started ??= this.#start();
+    return this.#started;
+  }
+
+  async #start(): Promise<void> {
+    this.#assertOpen();
+    const host = (t: Transport): TransportHost => ({
+      identity: this.identity,
+      logger: this.#logger,
+      inbound: (conn) => this.#inbound(t, conn),
+    });
+    const started: Transport[] = [];
+    try {
+      for (const t of this.#transports.values()) {
+        await t.start(host(t));
+        started.push(t);
+      }
+    } catch (e) {
+      await Promise.allSettled(started.map((t) => t.close()));
+      throw toTensorwireError(e, BackendUnavailableError);
+    }
+    const blobs = new Map<string, Uint8Array>();
+    for (const t of this.#transports.values()) blobs.set(t.name, t.endpoint());
+    this.#endpoint = encodeEndpoint({ identity: this.identity, transports: blobs });
+    this.#logger.info('engine started', { nodeId: this.identity.nodeId, transports: [...blobs.keys()] });
+  }
+
+  /** This node's endpoint blob: give it to peers (any channel) so they can connect. */
+  endpoint(): Uint8Array {
+    if (!this.#endpoint) throw new ClosedError('engine not started: call start() first');
+    return this.#endpoint;
+  }
+
+  /** Register memory with every transport that supports its kind (or the ones named). */
+  async register(memory: Memory, options: { transports?: readonly string[] } = {}): Promise<Registration> {
+    this.#assertOpen();
+    await this.start();
+    this.#validateMemory(memory);
+    const wanted = options.transports ?? [...this.#transports.keys()];
+    const entries = new Map<string, RegistrationEntry>();
+    const skipped = new Map<string, string>();
+    for (const name of wanted) {
+      const t = this.#transports.get(name);
+      if (!t) throw new InvalidInputError(`transport ${JSON.stringify(name)} is not registered with this engine`, { details: { field: 'transports' } });
+      if (!t.capabilities.memoryKinds.includes(memory.kind)) {
+        skipped.set(name, `does not support ${memory.kind} memory`);
+        continue;
+      }
+      try {
+        const r = await t.register(memory);
+        if (!(r.payload instanceof Uint8Array) || typeof r.handle !== 'object' || r.handle === null) {
+          throw new InvalidInputError(`transport ${name} returned a malformed registration`);
+        }
+        entries.set(name, { transport: t, handle: r.handle, payload: r.payload });
+      } catch (e) {
+        if (options.transports) {
+          await Promise.allSettled([...entries.values()].map((x) => x.transport.revoke(x.handle)));
+          throw toTensorwireError(e, InvalidInputError);
+        }
+        skipped.set(name, e instanceof Error ? e.message : String(e));
+      }
+    }
+    if (entries.size === 0) {
+      throw new InvalidInputError(`no transport could register this ${memory.kind} memory: ${[...skipped].map(([n, r]) => `${n}: ${r}`).join('; ')}`, {
+        details: { field: 'memory' },
+      });
+    }
+    const id = this.#ids.next('block');
+    const payloads = new Map<string, Uint8Array>();
+    for (const [name, e] of entries) payloads.set(name, e.payload);
+    const descriptor = encodeDescriptor({
+      owner: { nodeId: this.identity.nodeId, incarnation: this.identity.incarnation },
+      registrationId: id,
+      memoryKind: memory.kind,
+      byteLength: memoryByteLength(memory),
+      transports: payloads,
+    });
+    const reg = new Registration(id, memory, descriptor, entries, skipped, (r) => this.#registrations.delete(r.id));
+    this.#registrations.set(id, reg);
+    return reg;
+  }
+
+  #validateMemory(memory: Memory): void {
+    if (typeof memory !== 'object' || memory === null) throw new InvalidInputError('memory must be an object', { details: { field: 'memory' } });
+    if (memory.kind === 'host') {
+      if (!(memory.buffer instanceof Uint8Array)) throw new InvalidInputError('host memory needs a Uint8Array buffer', { details: { field: 'memory.buffer' } });
+      if (memory.buffer.byteLength === 0) throw new InvalidInputError('cannot register 0 bytes', { details: { field: 'memory.buffer' } });
+    } else if (memory.kind === 'cuda') {
+      checkInteger(memory.device, 'memory.device', 0);
+      checkInteger(memory.byteLength, 'memory.byteLength', 1);
+      if (typeof memory.pointer !== 'bigint' || memory.pointer <= 0n) throw new InvalidInputError('cuda memory needs a non-zero bigint pointer', { details: { field: 'memory.pointer' } });
+    } else {
+      throw new InvalidInputError(`unknown memory kind ${JSON.stringify((memory as { kind: unknown }).kind)}`, { details: { field: 'memory.kind' } });
+    }
+  }
+
+  /** READ: bytes move from the peer's registered memory into local registrations. */
+  read(peer: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[], options: TransferOptions = {}): Promise<TransferReport> {
+    return this.#transfer('read', peer, requests, options);
+  }
+
+  /** WRITE: bytes move from local registrations into the peer's registered memory. */
+  write(peer: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[], options: TransferOptions = {}): Promise<TransferReport> {
+    return this.#transfer('write', peer, requests, options);
+  }
+
+  /** Which transport this engine would use for `peer` and `memoryKind`, and why. */
+  explain(peer: Uint8Array | PeerEndpoint, memoryKind: MemoryKind = 'host'): Explanation {
+    return this.#explain(this.#peer(peer), [memoryKind]);
+  }
+
+  /** Open (or reuse) the connection to `peer` for `memoryKind` ahead of the first transfer. */
+  async connect(peer: Uint8Array | PeerEndpoint, options: TransferOptions & { memoryKind?: MemoryKind } = {}): Promise<ConnectionInfo> {
+    this.#assertOpen();
+    await this.start();
+    const ep = this.#peer(peer);
+    const ex = this.#explain(ep, [options.memoryKind ?? 'host']);
+    if (!ex.chosen) throw new BackendUnavailableError(ex.reason, { details: { peer: ep.identity.nodeId } });
+    const t = this.#transports.get(ex.chosen) as Transport;
+    const { signal, dispose } = this.#deadlineSignal(options);
+    try {
+      const pc = await this.#connection(ep, t, signal);
+      return this.#info(pc);
+    } finally {
+      dispose();
+    }
+  }
+
+  /** The connection table, for diagnostics. */
+  connections(): ConnectionInfo[] {
+    return [...this.#table.values()].map((pc) => this.#info(pc));
+  }
+
+  /** Drop every connection to `nodeId` (all transports) in one step each; in-flight work fails with `reason`. */
+  async invalidate(nodeId: string, reason = 'invalidated by caller'): Promise<void> {
+    const victims: PeerConnection[] = [];
+    for (const [key, pc] of this.#table) {
+      if (pc.peer.nodeId === nodeId) {
+        this.#table.delete(key);
+        victims.push(pc);
+      }
+    }
+    await Promise.allSettled(victims.map((pc) => this.#dispose(pc, new ConnectionBrokenError(reason, { details: { peer: nodeId } }), 'invalidated')));
+  }
+
+  /** Close: abort in-flight transfers, close connections and transports, revoke registrations. Idempotent. */
+  close(): Promise<void> {
+    this.#closed ??= this.#close();
+    return this.#closed;
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close();
+  }
+
+  async #close(): Promise<void> {
+    for (const ac of this.#inflight) ac.abort(new ClosedError('engine closed'));
+    const entries = [...this.#table.values()];
+    this.#table.clear();
+    await Promise.allSettled(entries.map((pc) => this.#dispose(pc, new ClosedError('engine closed'), 'closed')));
+    await Promise.allSettled([...this.#registrations.values()].map((r) => r.revoke()));
+    await Promise.allSettled([...this.#transports.values()].map((t) => t.close()));
+  }
+
+  #assertOpen(): void {
+    if (this.#closed) throw new ClosedError('engine is closed');
+  }
+
+  #info(pc: PeerConnection): ConnectionInfo {
+    return {
+      peer: pc.peer,
+      transport: pc.transport.name,
+      state: pc.conn ? 'open' : 'connecting',
+      initiator: pc.conn?.initiator,
+      streams: pc.conn?.streams ?? 0,
+      inFlight: pc.inFlight,
+    };
+  }
+
+  readonly #peerCache = new WeakMap<Uint8Array, PeerEndpoint>();
+  #peer(peer: Uint8Array | PeerEndpoint): PeerEndpoint {
+    if (peer instanceof Uint8Array) {
+      let ep = this.#peerCache.get(peer);
+      if (!ep) {
+        ep = decodeEndpoint(peer);
+        this.#peerCache.set(peer, ep);
+      }
+      return ep;
+    }
+    if (typeof peer !== 'object' || peer === null || !(peer.transports instanceof Map)) {
+      throw new InvalidInputError('peer must be an endpoint blob or a decoded PeerEndpoint', { details: { field: 'peer' } });
+    }
+    assertOwner(peer.identity?.nodeId);
+    return peer;
+  }
+
+  #explain(ep: PeerEndpoint, kinds: readonly MemoryKind[]): Explanation {
+    const candidates: CandidateExplanation[] = [];
+    const sorted = [...this.#transports.values()].sort((a, b) => b.capabilities.rank - a.capabilities.rank);
+    for (const t of sorted) {
+      const reason = this.#unusable(t, ep, kinds);
+      candidates.push({ transport: t.name, rank: t.capabilities.rank, usable: reason === undefined, reason: reason ?? 'usable' });
+    }
+    const chosen = candidates.find((c) => c.usable);
+    const kind = kinds[0] ?? 'host';
+    const peerName = ep.identity.nodeId;
+    if (!chosen) {
+      return {
+        peer: peerName,
+        memoryKind: kind,
+        chosen: undefined,
+        reason: `no transport can reach ${peerName} for ${kinds.join('+')} memory: ${candidates.map((c) => `${c.transport}: ${c.reason}`).join('; ')}`,
+        slowerPath: false,
+        candidates,
+      };
+    }
+    const better = candidates.filter((c) => c.rank > chosen.rank);
+    const slowerPath = better.length > 0;
+    const sameHost = ep.identity.hostId === this.identity.hostId;
+    const reason = slowerPath
+      ? `${chosen.transport} chosen for ${kinds.join('+')} memory on ${peerName} (${sameHost ? 'same host' : 'other host'}); faster transports unusable: ${better
+          .map((c) => `${c.transport}: ${c.reason}`)
+          .join('; ')}`
+      : `${chosen.transport} is the fastest transport both sides have for ${kinds.join('+')} memory on ${peerName} (${sameHost ? 'same host' : 'other host'})`;
+    return { peer: peerName, memoryKind: kind, chosen: chosen.transport, reason, slowerPath, candidates };
+  }
+
+  #unusable(t: Transport, ep: PeerEndpoint, kinds: readonly MemoryKind[]): string | undefined {
+    for (const k of kinds) if (!t.capabilities.memoryKinds.includes(k)) return `does not support ${k} memory`;
+    const blob = ep.transports.get(t.name);
+    if (!blob) return `peer does not offer ${t.name}`;
+    const sameHost = ep.identity.hostId === this.identity.hostId;
+    if (sameHost && !t.capabilities.local) return 'not usable between processes on one host';
+    if (!sameHost && !t.capabilities.remote) return 'works only on the same host; peer is on another host';
+    try {
+      return t.unreachableReason(ep.identity, blob);
+    } catch (e) {
+      return `cannot parse peer endpoint: ${e instanceof Error ? e.message : String(e)}`;
+    }
+  }
+
+  #deadlineSignal(options: TransferOptions, defaultMs = this.defaultTimeoutMs): { signal: AbortSignal; deadline: number; dispose(): void } {
+    const timeoutMs = options.timeoutMs ?? defaultMs;
+    if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
+      throw new InvalidInputError(`timeoutMs must be a positive finite number, got ${String(timeoutMs)}`, { details: { field: 'timeoutMs' } });
+    }
+    let deadline = Date.now() + timeoutMs;
+    if (options.deadline !== undefined) {
+      if (typeof options.deadline !== 'number' || !Number.isFinite(options.deadline)) {
+        throw new InvalidInputError('deadline must be a finite Date.now() timestamp', { details: { field: 'deadline' } });
+      }
+      deadline = Math.min(deadline, options.deadline);
+    }
+    const ac = new AbortController();
+    this.#inflight.add(ac);
+    const expire = (): void => ac.abort(new TimedOutError(`deadline passed (${Math.max(0, Math.round(deadline - started))} ms after the call)`));
+    const started = Date.now();
+    if (deadline <= started) expire();
+    const timer = setTimeout(expire, Math.max(0, deadline - started));
+    const user = options.signal;
+    const onUser = (): void => ac.abort(errorFromSignal(user as AbortSignal, 'transfer'));
+    if (user) {
+      if (user.aborted) onUser();
+      else user.addEventListener('abort', onUser, { once: true });
+    }
+    return {
+      signal: ac.signal,
+      deadline,
+      dispose: () => {
+        clearTimeout(timer);
+        user?.removeEventListener('abort', onUser);
+        this.#inflight.delete(ac);
+      },
+    };
+  }
+
+  async #transfer(
+    op: 'read' | 'write',
+    peerArg: Uint8Array | PeerEndpoint,
+    requests: readonly TransferRequest[],
+    options: TransferOptions,
+  ): Promise<TransferReport> {
+    this.#assertOpen();
+    await this.start();
+    const started = process.hrtime.bigint();
+    const ep = this.#peer(peerArg);
+    if (!Array.isArray(requests) || requests.length === 0) {
+      throw new InvalidInputError('a transfer needs at least one request', { details: { field: 'requests' } });
+    }
+    // Pick the transport for the whole batch from the memory kinds involved.
+    const kinds = new Set<MemoryKind>();
+    const decoded: MemoryDescriptor[] = [];
+    for (const [i, r] of requests.entries()) {
+      if (!(r?.local instanceof Registration)) throw new InvalidInputError(`requests[${i}].local must be a Registration of this engine`, { details: { field: 'local' } });
+      const remote = r.remote instanceof Uint8Array ? decodeDescriptor(r.remote) : r.remote;
+      if (typeof remote !== 'object' || remote === null || !(remote.transports instanceof Map)) {
+        throw new InvalidInputError(`requests[${i}].remote must be a descriptor`, { details: { field: 'remote' } });
+      }
+      decoded.push(remote);
+      kinds.add(r.local.memoryKind);
+      kinds.add(remote.memoryKind);
+    }
+    const ex = this.#explain(ep, [...kinds]);
+    if (!ex.chosen) throw new BackendUnavailableError(ex.reason, { details: { peer: ep.identity.nodeId } });
+    const transport = this.#transports.get(ex.chosen) as Transport;
+    const prepared = requests.map((r, i) => this.#prepare(transport, ep, r, decoded[i] as MemoryDescriptor, i));
+    const totalBytes = prepared.reduce((s, p) => s + p.length, 0);
+
+    const { signal, deadline, dispose } = this.#deadlineSignal(options);
+    try {
+      let pc = await this.#connection(ep, transport, signal);
+      if (!pc.conn?.isOpen) pc = await this.#connection(ep, transport, signal); // retired between handshake and use
+      await this.#run(op, pc, prepared, signal, deadline);
+      this.metrics?.bytes.inc({ transport: transport.name, direction: op }, totalBytes);
+      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: 'ok' }, requests.length);
+      const chunkCap = Math.min(this.chunkBytes, transport.capabilities.maxChunkBytes);
+      return {
+        transport: transport.name,
+        bytes: totalBytes,
+        chunks: prepared.reduce((s, p) => s + Math.ceil(p.length / chunkCap), 0),
+        requests: requests.length,
+      };
+    } catch (e) {
+      const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${ep.identity.nodeId}`) : toTensorwireError(e);
+      this.metrics?.errors.inc({ transport: transport.name, code: err.code });
+      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: err.code }, requests.length);
+      throw err;
+    } finally {
+      dispose();
+      this.metrics?.duration.observe({ transport: transport.name, direction: op }, Number(process.hrtime.bigint() - started) / 1e9);
+    }
+  }
+
+  #prepare(t: Transport, ep: PeerEndpoint, r: TransferRequest, remote: MemoryDescriptor, i: number): PreparedRequest {
+    const local = r.local;
+    if (local.revoked) throw new InvalidInputError(`requests[${i}].local (${local.id}) was revoked`, { details: { field: 'local' } });
+    if (this.#registrations.get(local.id) !== local) {
+      throw new InvalidInputError(`requests[${i}].local (${local.id}) is not registered with this engine`, { details: { field: 'local' } });
+    }
+    const localHandle = local.handleFor(t.name);
+    if (!localHandle) {
+      throw new InvalidInputError(`requests[${i}].local (${local.id}) is not registered with ${t.name}: ${local.skipped.get(t.name) ?? 'not requested'}`, {
+        details: { field: 'local' },
+      });
+    }
+    if (remote.owner.nodeId !== ep.identity.nodeId) {
+      throw new InvalidInputError(`requests[${i}].remote belongs to ${remote.owner.nodeId}, not to peer ${ep.identity.nodeId}`, { details: { field: 'remote' } });
+    }
+    if (remote.owner.incarnation !== ep.identity.incarnation) {
+      throw new InvalidInputError(
+        `requests[${i}].remote was issued by an earlier incarnation of ${remote.owner.nodeId} (${remote.owner.incarnation}, peer is now ${ep.identity.incarnation})`,
+        { details: { field: 'remote' } },
+      );
+    }
+    const payload = remote.transports.get(t.name);
+    if (!payload) throw new InvalidInputError(`requests[${i}].remote has no ${t.name} grant`, { details: { field: 'remote' } });
+    const localOffset = checkInteger(r.localOffset ?? 0, `requests[${i}].localOffset`, 0);
+    const remoteOffset = checkInteger(r.remoteOffset ?? 0, `requests[${i}].remoteOffset`, 0);
+    const length = checkInteger(r.length ?? local.byteLength - localOffset, `requests[${i}].length`, 1);
+    if (localOffset + length > local.byteLength) {
+      throw new InvalidInputError(`requests[${i}]: local range ${localOffset}+${length} exceeds registration of ${local.byteLength} bytes`, {
+        details: { field: 'localOffset' },
+      });
+    }
+    if (remoteOffset + length > remote.byteLength) {
+      throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds registration of ${remote.byteLength} bytes`, {
+        details: { field: 'remoteOffset' },
+      });
+    }
+    const decodedRemote = t.decodeRemote(payload, remote.memoryKind, remote.byteLength);
+    return { localHandle, localOffset, remote: decodedRemote, remoteOffset, length };
+  }
+
+  async #run(op: 'read' | 'write', pc: PeerConnection, prepared: readonly PreparedRequest[], signal: AbortSignal, deadline: number): Promise<void> {
+    const conn = pc.conn;
+    if (!conn) throw new ConnectionBrokenError('connection vanished');
+    const cap = Math.min(this.chunkBytes, pc.transport.capabilities.maxChunkBytes);
+    const perStream: TransferChunk[][] = Array.from({ length: conn.streams }, () => []);
+    for (const p of prepared) {
+      let done = 0;
+      while (done < p.length) {
+        // Invariant 8: a chunk is min(remaining, cap), never more than what is needed.
+        const n = Math.min(p.length - done, cap);
+        const stream = pc.nextStream % conn.streams;
+        pc.nextStream = (pc.nextStream + 1) % conn.streams;
+        (perStream[stream] as TransferChunk[]).push({
+          op,
+          local: p.localHandle,
+          localOffset: p.localOffset + done,
+          remote: p.remote,
+          remoteOffset: p.remoteOffset + done,
+          length: n,
+        });
+        done += n;
+      }
+    }
+    pc.inFlight++;
+    try {
+      const results = await Promise.allSettled(
+        perStream.map((chunks, stream) => (chunks.length === 0 ? Promise.resolve() : this.#execute(pc, conn, stream, chunks, signal, deadline))),
+      );
+      // Every stream has settled (quiesced) before we report anything.
+      const failures = results.filter((r): r is PromiseRejectedResult => r.status === 'rejected').map((r) => toTensorwireError(r.reason));
+      if (failures.length > 0) {
+        const broken = failures.find((f) => f.breaksConnection);
+        if (broken) this.#invalidateEntry(pc, conn, broken);
+        throw broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? failures[0];
+      }
+    } finally {
+      pc.inFlight--;
+    }
+  }
+
+  async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, chunks: TransferChunk[], signal: AbortSignal, deadline: number): Promise<void> {
+    let backoff = 1;
+    for (;;) {
+      try {
+        await conn.execute(stream, chunks, { signal, deadline });
+        return;
+      } catch (e) {
+        // Invariant 5: local exhaustion backs off and keeps the connection.
+        if (e instanceof ResourceExhaustedError && !signal.aborted && Date.now() + backoff < deadline) {
+          this.metrics?.errors.inc({ transport: pc.transport.name, code: e.code });
+          await sleep(backoff, signal);
+          backoff = Math.min(backoff * 2, 50);
+          if (!signal.aborted) continue;
+        }
+        throw e;
+      }
+    }
+  }
+
+  /** Get or open the connection for (peer, transport); concurrent callers share one handshake. */
+  async #connection(ep: PeerEndpoint, t: Transport, signal: AbortSignal): Promise<PeerConnection> {
+    const key = connectionKey(ep.identity.nodeId, t.name);
+    let pc = this.#table.get(key);
+    if (pc && pc.peer.incarnation !== ep.identity.incarnation) {
+      // The peer restarted: the old connection and everything cached for it is stale.
+      this.#table.delete(key);
+      void this.#dispose(pc, new ConnectionBrokenError(`peer ${ep.identity.nodeId} restarted (incarnation changed)`), 'invalidated');
+      pc = undefined;
+    }
+    if (pc?.conn && !pc.conn.isOpen) {
+      this.#invalidateEntry(pc, pc.conn, new ConnectionBrokenError('connection closed'));
+      pc = undefined;
+    }
+    if (!pc) {
+      pc = new PeerConnection(key, ep.identity, t);
+      this.#table.set(key, pc);
+      this.#open(pc, ep);
+    }
+    await raceSignal(pc.ready.promise, signal, () => errorFromSignal(signal, `connect to ${ep.identity.nodeId}`));
+    return pc;
+  }
+
+  #open(pc: PeerConnection, ep: PeerEndpoint): void {
+    const t = pc.transport;
+    const blob = ep.transports.get(t.name) as Uint8Array;
+    const ac = new AbortController();
+    const timer = setTimeout(() => ac.abort(new TimedOutError(`handshake with ${pc.peer.nodeId} over ${t.name} timed out`)), this.connectTimeoutMs);
+    this.#inflight.add(ac);
+    const first = this.#explain(ep, [pc.transport.capabilities.memoryKinds[0] ?? 'host']);
+    t.connect(ep.identity, blob, { signal: ac.signal, deadline: Date.now() + this.connectTimeoutMs, streams: Math.min(this.streamsPerPeer, t.capabilities.maxStreams) })
+      .then(
+        (conn) => {
+          if (this.#table.get(pc.key) === pc && !pc.ready.settled && !this.#closed && !conn.isOpen) {
+            // The peer already asked to retire it: it settled a simultaneous open in favour of
+            // its own connection, which will arrive as an inbound one and resolve this entry.
+            this.metrics?.connectionEvents.inc({ transport: t.name, event: 'retired' });
+            void conn.retire().catch(() => undefined);
+            const wait = setTimeout(() => {
+              if (this.#table.get(pc.key) === pc && !pc.ready.settled) {
+                this.#table.delete(pc.key);
+                pc.ready.reject(new ConnectionBrokenError(`${pc.peer.nodeId} retired our connection and did not open its own`));
+              }
+            }, this.connectTimeoutMs);
+            wait.unref();
+            void pc.ready.promise.finally(() => clearTimeout(wait)).catch(() => undefined);
+          } else if (this.#table.get(pc.key) === pc && !pc.ready.settled && !this.#closed) {
+            this.#adopt(pc, conn, 'opened');
+            if (first.slowerPath) this.#warnSlow(first, t.name);
+            this.metrics?.selections.inc({ transport: t.name, memory_kind: first.memoryKind, slower_path: String(first.slowerPath) });
+          } else {
+            // Lost a simultaneous open (an inbound connection won) or the entry was invalidated meanwhile.
+            this.metrics?.connectionEvents.inc({ transport: t.name, event: 'retired' });
+            void conn.retire().catch(() => undefined);
+          }
+        },
+        (e: unknown) => {
+          const err = ac.signal.aborted ? errorFromSignal(ac.signal, `connect to ${pc.peer.nodeId}`) : toTensorwireError(e);
+          if (this.#table.get(pc.key) === pc && !pc.ready.settled) this.#table.delete(pc.key);
+          this.metrics?.errors.inc({ transport: t.name, code: err.code });
+          pc.ready.reject(err);
+        },
+      )
+      .finally(() => {
+        clearTimeout(timer);
+        this.#inflight.delete(ac);
+      });
+  }
+
+  #adopt(pc: PeerConnection, conn: TransportConnection, event: 'opened' | 'adopted'): void {
+    pc.conn = conn;
+    this.metrics?.connections.inc({ transport: pc.transport.name });
+    this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event });
+    conn.onClose((error) => {
+      this.metrics?.connections.dec({ transport: pc.transport.name });
+      if (this.#table.get(pc.key) === pc && pc.conn === conn) {
+        this.#table.delete(pc.key);
+        this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event: 'closed' });
+        if (error) this.#logger.info('connection closed', { peer: pc.peer.nodeId, transport: pc.transport.name, error: error.message });
+      }
+    });
+    conn.onRetire(() => {
+      if (this.#table.get(pc.key) === pc && pc.conn === conn) this.#table.delete(pc.key);
+    });
+    pc.ready.resolve(conn);
+  }
+
+  #warnSlow(ex: Explanation, chosen: string): void {
+    const key = `${ex.peer}/${ex.memoryKind}/${chosen}`;
+    if (this.#warned.has(key)) return;
+    this.#warned.add(key);
+    this.#logger.warn(`slower transport path: ${ex.reason}`, { peer: ex.peer, transport: chosen, memoryKind: ex.memoryKind });
+  }
+
+  /**
+   * A transport accepted a connection the peer opened. Simultaneous-open rule: of two
+   * connections between the same pair of nodes on one transport, the one opened by the
+   * node with the smaller nodeId wins. Both sides apply the rule, so both keep the same one.
+   */
+  #inbound(t: Transport, conn: TransportConnection): void {
+    if (this.#closed) {
+      void conn.close(new ClosedError('engine closed'));
+      return;
+    }
+    const peer = conn.peer;
+    if (peer.nodeId === this.identity.nodeId) return; // a loopback connection to ourselves: it only serves
+    const key = connectionKey(peer.nodeId, t.name);
+    let pc = this.#table.get(key);
+    if (pc && pc.peer.incarnation !== peer.incarnation) {
+      this.#table.delete(key);
+      void this.#dispose(pc, new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`), 'invalidated');
+      pc = undefined;
+    }
+    if (!pc) {
+      pc = new PeerConnection(key, peer, t);
+      this.#table.set(key, pc);
+      this.#adopt(pc, conn, 'adopted');
+      return;
+    }
+    const inboundWins = peer.nodeId < this.identity.nodeId; // it was opened by the peer
+    if (!pc.conn) {
+      // Our own open is still in flight.
+      if (inboundWins) {
+        this.metrics?.connectionEvents.inc({ transport: t.name, event: 'simultaneous_open' });
+        this.#adopt(pc, conn, 'adopted'); // our outbound will be retired when it completes
+      } else {
+        this.metrics?.connectionEvents.inc({ transport: t.name, event: 'retired' });
+        void conn.retire().catch(() => undefined);
+      }
+      return;
+    }
+    // An existing connection we opened wins only if we have the smaller id. One the peer
+    // opened earlier loses to the peer's newer one: the peer only reopens after dropping it.
+    const existingWins = pc.conn.initiator === this.identity.nodeId && !inboundWins;
+    if (existingWins) {
+      this.metrics?.connectionEvents.inc({ transport: t.name, event: 'retired' });
+      void conn.retire().catch(() => undefined);
+      return;
+    }
+    // Swap in one step: the new entry replaces the old; the old drains gracefully.
+    const old = pc;
+    const next = new PeerConnection(key, peer, t);
+    this.#table.set(key, next);
+    this.metrics?.connectionEvents.inc({ transport: t.name, event: 'simultaneous_open' });
+    this.#adopt(next, conn, 'adopted');
+    if (old.conn) {
+      this.metrics?.connectionEvents.inc({ transport: t.name, event: 'retired' });
+      void old.conn.retire().catch(() => undefined);
+    }
+  }
+
+  #invalidateEntry(pc: PeerConnection, conn: TransportConnection, error: TensorwireError): void {
+    if (this.#table.get(pc.key) === pc && pc.conn === conn) this.#table.delete(pc.key);
+    this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event: 'invalidated' });
+    void conn.close(error).catch(() => undefined);
+  }
+
+  async #dispose(pc: PeerConnection, error: TensorwireError, event: 'invalidated' | 'closed'): Promise<void> {
+    this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event });
+    pc.ready.reject(error);
+    if (pc.conn) await pc.conn.close(error).catch(() => undefined);
+  }
+}
