@@ -10,3 +10,4 @@ export * from './metrics.js';
 export * from './engine.js';
 export { TcpTransport, TcpConnection, encodeTcpEndpoint, decodeTcpEndpoint, type TcpTransportOptions } from './tcp/transport.js';
 export * as tcpFrames from './tcp/frames.js';
+export { Registry } from 'prom-client';

@@ -19,6 +19,9 @@ import { ErrorCode, TensorwireError } from '../errors.js';
 import { silentLogger } from '../logger.js';
 import { decodeDescriptor, encodeDescriptor } from '../descriptor.js';
 import type { Memory, MemoryKind, Transport } from '../transport.js';
+import { pattern } from './pattern.js';
+
+export { pattern };
 
 /** A block of memory of the kind under test, with host-side access for checking. */
 export interface ConformanceBuffer {
@@ -65,21 +68,6 @@ export const hostMemory: ConformanceMemory = {
     };
   },
 };
-
-/** Deterministic bytes: a different pattern per seed, so misplaced ranges show. */
-export function pattern(length: number, seed: number): Uint8Array {
-  const out = new Uint8Array(length);
-  let x = (seed * 2654435761) >>> 0 || 1;
-  for (let i = 0; i < length; i++) {
-    x ^= x << 13;
-    x >>>= 0;
-    x ^= x >>> 17;
-    x ^= x << 5;
-    x >>>= 0;
-    out[i] = x & 0xff;
-  }
-  return out;
-}
 
 function equal(a: Uint8Array, b: Uint8Array): boolean {
   return a.length === b.length && Buffer.compare(Buffer.from(a.buffer, a.byteOffset, a.byteLength), Buffer.from(b.buffer, b.byteOffset, b.byteLength)) === 0;

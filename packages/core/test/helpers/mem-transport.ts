@@ -1,0 +1,134 @@
+/**
+ * An in-process test double for engine unit tests: "remote" memory is another engine's
+ * buffer in this process. It is not a device and is never reported as one; it exists to
+ * observe what the engine hands a transport (chunks, streams, retries) and to inject errors.
+ */
+import { randomBytes } from 'node:crypto';
+import {
+  TRANSPORT_SPECIFICATION_VERSION,
+  type ConnectOptions,
+  type ExecuteOptions,
+  type Memory,
+  type NodeIdentity,
+  type TensorwireError,
+  type TransferChunk,
+  type Transport,
+  type TransportCapabilities,
+  type TransportConnection,
+  type TransportHost,
+} from '../../src/index.js';
+
+const world = new Map<string, Uint8Array>(); // token hex -> memory
+
+export interface MemTransportOptions {
+  name?: string;
+  rank?: number;
+  local?: boolean;
+  remote?: boolean;
+  maxChunkBytes?: number;
+  /** Called before each execute; may throw to inject an error. */
+  beforeExecute?: (stream: number, chunks: readonly TransferChunk[]) => void;
+  unreachable?: string;
+}
+
+export class MemTransport implements Transport {
+  readonly specificationVersion = TRANSPORT_SPECIFICATION_VERSION;
+  readonly name: string;
+  readonly capabilities: TransportCapabilities;
+  readonly executed: { stream: number; lengths: number[] }[] = [];
+  readonly connections: MemConnection[] = [];
+  host: TransportHost | undefined;
+  readonly #opts: MemTransportOptions;
+  constructor(opts: MemTransportOptions = {}) {
+    this.#opts = opts;
+    this.name = opts.name ?? 'mem';
+    this.capabilities = {
+      local: opts.local ?? true,
+      remote: opts.remote ?? true,
+      memoryKinds: ['host'],
+      oneSidedRead: true,
+      oneSidedWrite: true,
+      scopedGrants: true,
+      rank: opts.rank ?? 5,
+      maxStreams: 8,
+      maxChunkBytes: opts.maxChunkBytes ?? 1 << 30,
+    };
+  }
+  async start(host: TransportHost): Promise<void> {
+    this.host = host;
+  }
+  endpoint(): Uint8Array {
+    return new TextEncoder().encode(this.name);
+  }
+  unreachableReason(_peer: NodeIdentity, _endpoint: Uint8Array): string | undefined {
+    return this.#opts.unreachable;
+  }
+  async register(memory: Memory): Promise<{ handle: object; payload: Uint8Array }> {
+    if (memory.kind !== 'host') throw new Error('host only');
+    const token = randomBytes(8);
+    world.set(token.toString('hex'), memory.buffer);
+    return { handle: { token: token.toString('hex'), buffer: memory.buffer }, payload: token };
+  }
+  async revoke(handle: object): Promise<void> {
+    world.delete((handle as { token: string }).token);
+  }
+  decodeRemote(payload: Uint8Array): unknown {
+    return Buffer.from(payload).toString('hex');
+  }
+  async connect(peer: NodeIdentity, _endpoint: Uint8Array, options: ConnectOptions): Promise<TransportConnection> {
+    const c = new MemConnection(this, peer, this.host?.identity.nodeId ?? '?', options.streams, this.#opts.beforeExecute);
+    this.connections.push(c);
+    return c;
+  }
+  async close(): Promise<void> {
+    for (const c of this.connections) await c.close();
+  }
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.close();
+  }
+}
+
+export class MemConnection implements TransportConnection {
+  readonly transport: string;
+  readonly peer: NodeIdentity;
+  readonly initiator: string;
+  readonly streams: number;
+  isOpen = true;
+  closedWith: TensorwireError | undefined;
+  readonly #owner: MemTransport;
+  readonly #hook: MemTransportOptions['beforeExecute'];
+  readonly #closeListeners: ((e: TensorwireError | undefined) => void)[] = [];
+  constructor(owner: MemTransport, peer: NodeIdentity, initiator: string, streams: number, hook: MemTransportOptions['beforeExecute']) {
+    this.#owner = owner;
+    this.transport = owner.name;
+    this.peer = peer;
+    this.initiator = initiator;
+    this.streams = streams;
+    this.#hook = hook;
+  }
+  async execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+    if (options.signal.aborted) throw options.signal.reason;
+    this.#hook?.(stream, chunks);
+    this.#owner.executed.push({ stream, lengths: chunks.map((c) => c.length) });
+    for (const c of chunks) {
+      const remote = world.get(c.remote as string);
+      if (!remote) throw new Error('unknown grant');
+      const local = (c.local as { buffer: Uint8Array }).buffer;
+      if (c.op === 'read') local.set(remote.subarray(c.remoteOffset, c.remoteOffset + c.length), c.localOffset);
+      else remote.set(local.subarray(c.localOffset, c.localOffset + c.length), c.remoteOffset);
+    }
+  }
+  onClose(listener: (error: TensorwireError | undefined) => void): void {
+    this.#closeListeners.push(listener);
+  }
+  onRetire(): void {}
+  async retire(): Promise<void> {
+    await this.close();
+  }
+  async close(error?: TensorwireError): Promise<void> {
+    if (!this.isOpen) return;
+    this.isOpen = false;
+    this.closedWith = error;
+    for (const l of this.#closeListeners.splice(0)) l(error);
+  }
+}
