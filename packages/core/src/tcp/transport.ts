@@ -26,7 +26,7 @@ import {
   InvalidInputError,
   RemoteRejectedError,
   SessionInvalidatedError,
-  TensorwireError,
+  type TensorwireError,
   errorFromSignal,
   toTensorwireError,
 } from '../errors.js';
@@ -340,8 +340,8 @@ class TcpStream implements FrameSink {
       s.write(parts[i] as Uint8Array, last && done ? () => done() : undefined);
     }
     s.uncork();
-    // Backpressure: stop reading new requests until the queue drains.
-    if (s.writableNeedDrain && !this.#pausedForDrain) {
+    // Backpressure: stop reading new requests while too much waits to be sent.
+    if (s.writableLength > this.#transport.sendHighWaterMark && !this.#pausedForDrain) {
       this.#pausedForDrain = true;
       s.pause();
     }
@@ -616,6 +616,7 @@ export class TcpTransport implements Transport {
   readonly capabilities: TransportCapabilities;
   readonly maxChunkBytes: number;
   readonly retireTimeoutMs: number;
+  readonly sendHighWaterMark: number;
   readonly #options: Required<Omit<TcpTransportOptions, 'advertiseHost'>> & { advertiseHost: string | undefined };
   readonly #grants = new Map<string, TcpGrant>();
   readonly #revokedKeys = new Set<string>();
@@ -647,6 +648,7 @@ export class TcpTransport implements Transport {
     };
     this.maxChunkBytes = maxChunkBytes;
     this.retireTimeoutMs = this.#options.retireTimeoutMs;
+    this.sendHighWaterMark = this.#options.sendHighWaterMark;
     this.capabilities = Object.freeze({
       local: true,
       remote: true,
@@ -833,7 +835,7 @@ export class TcpTransport implements Transport {
 
   #dial(conn: TcpConnection, host: string, port: number, opened: TcpStream[]): Promise<TcpStream> {
     return new Promise<TcpStream>((resolve, reject) => {
-      let stream: TcpStream | undefined;
+      const ref: { stream?: TcpStream } = {};
       // The parser exists before the socket: Node asks for the first receive buffer inside net.connect().
       const parser = new FrameParser(undefined, this.maxChunkBytes);
       const socket = net.connect({
@@ -846,20 +848,21 @@ export class TcpTransport implements Transport {
           // Receive straight into whatever the parser needs next (for READ_DATA: the destination).
           buffer: () => parser.nextBuffer(),
           callback: (n: number) => {
-            stream?.commit(n);
+            ref.stream?.commit(n);
             return true;
           },
         },
       });
       this.#track(socket);
-      stream = new TcpStream(socket, parser, conn, this);
+      const stream = new TcpStream(socket, parser, conn, this);
+      ref.stream = stream;
       this.#userBufferStreams.add(stream);
       opened.push(stream);
       const onError = (e: Error): void => reject(new ConnectionBrokenError(`cannot connect to ${host}:${port}: ${(e as NodeJS.ErrnoException).code ?? e.message}`, { cause: e }));
       socket.once('error', onError);
       socket.once('connect', () => {
         socket.off('error', onError);
-        resolve(stream as TcpStream);
+        resolve(stream);
       });
     });
   }
@@ -910,13 +913,12 @@ export class TcpTransport implements Transport {
     }
     const host = this.#host;
     // A placeholder connection until HELLO tells us which one this socket belongs to.
-    let stream: TcpStream | undefined;
     const timer = setTimeout(() => socket.destroy(), this.#options.handshakeTimeoutMs);
     timer.unref();
     const provisional = new TcpConnection(this, { nodeId: 'unknown', incarnation: 'unknown', hostId: 'unknown' }, 'unknown', 1);
-    stream = new TcpStream(socket, undefined, provisional, this);
+    const stream = new TcpStream(socket, undefined, provisional, this);
     const refuse = (code: string, message: string): void => {
-      this.#logger?.warn("tcp handshake refused", { code, message });
+      this.#logger?.warn('tcp handshake refused', { code, message, remote: socket.remoteAddress });
       clearTimeout(timer);
       socket.end(encodeError(0, code, message));
       setTimeout(() => socket.destroy(), 1000).unref();
