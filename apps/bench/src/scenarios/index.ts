@@ -1,4 +1,5 @@
 import type { Scenario } from '../types.js';
+import { rdma } from './rdma.js';
 import { tcp } from './tcp.js';
 
 export type ScenarioName = 'run' | 'tcp' | 'pool' | 'locks' | 'rdma';
@@ -8,5 +9,5 @@ export const SCENARIOS: Record<ScenarioName, Scenario> = {
   run: tcp,
   pool: tcp,
   locks: tcp,
-  rdma: tcp,
+  rdma,
 };

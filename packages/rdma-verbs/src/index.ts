@@ -1,0 +1,33 @@
+export { RdmaTransport, RdmaConnection, type RdmaTransportOptions, type CudaDmabufExport } from './transport.js';
+export { capabilities, isAvailable, toDeviceRecord, usablePort, readNumaNode, readGidAttrs, SYSFS_INFINIBAND, type RdmaCapabilities, type CapabilityOptions } from './capabilities.js';
+export * from './attributes.js';
+export * from './wire.js';
+export {
+  loadNative,
+  tryLoadNative,
+  addonCandidates,
+  nativeError,
+  Access,
+  WcStatus,
+  ADDON_FILE,
+  type NativeAddon,
+  type NativeDevice,
+  type NativeCounters,
+  type NativeProbe,
+  type NativeDeviceInfo,
+  type NativePort,
+  type NativeMr,
+  type NativeQp,
+  type RtrAttributes,
+  type RtsAttributes,
+  type PostResult,
+  type LoadResult,
+} from './native.js';
+
+import { tryLoadNative, type NativeCounters } from './native.js';
+
+/** Live native resources (devices, PDs, MRs, CQs, QPs, channels, poller threads) in this environment. */
+export function nativeCounters(): NativeCounters | undefined {
+  const r = tryLoadNative();
+  return 'addon' in r ? r.addon.counters() : undefined;
+}

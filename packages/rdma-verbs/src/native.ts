@@ -1,0 +1,243 @@
+/**
+ * The one typed facade over the native addon. Everything else in this package talks to
+ * the addon through these types; nothing else calls `require` on a `.node` file.
+ *
+ * The loader tries every known build location (and `TENSORWIRE_RDMA_ADDON` first, when
+ * set) and keeps every error, so "cannot load" says what was tried and why each failed.
+ */
+import { existsSync } from 'node:fs';
+import { createRequire } from 'node:module';
+import { dirname, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { BackendUnavailableError, ErrorCode, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
+
+/** What `probe()` reports: how far the addon gets on this machine. */
+export interface NativeProbe {
+  /** False for the stub built without infiniband/verbs.h. */
+  readonly built: boolean;
+  readonly buildReason?: string;
+  readonly library?: { readonly loaded: boolean; readonly error?: string };
+  /** libibverbs exports ibv_reg_dmabuf_mr (rdma-core v34+). */
+  readonly dmabuf: boolean;
+  readonly deviceList?: { readonly ok: boolean; readonly count: number; readonly error?: string; readonly names?: readonly string[] };
+}
+
+export interface NativeGid {
+  readonly index: number;
+  /** 32 hex characters. */
+  readonly gid: string;
+}
+
+/** One port as `ibv_query_port` reports it (enums as numbers, see attributes.ts). */
+export interface NativePort {
+  readonly port: number;
+  readonly error?: string;
+  readonly state?: number;
+  readonly maxMtu?: number;
+  readonly activeMtu?: number;
+  readonly lid?: number;
+  readonly smLid?: number;
+  readonly linkLayer?: number;
+  readonly gidTblLen?: number;
+  readonly activeSpeed?: number;
+  readonly activeWidth?: number;
+  readonly portCapFlags?: number;
+  readonly gids?: readonly NativeGid[];
+}
+
+export interface NativeDeviceInfo {
+  readonly name?: string;
+  readonly guid?: string;
+  readonly error?: string;
+  readonly fwVer?: string;
+  readonly vendorId?: number;
+  readonly vendorPartId?: number;
+  readonly maxQp?: number;
+  readonly maxQpWr?: number;
+  readonly maxSge?: number;
+  readonly maxCq?: number;
+  readonly maxCqe?: number;
+  readonly maxMr?: number;
+  readonly maxMrSize?: number;
+  readonly maxPd?: number;
+  readonly maxQpRdAtom?: number;
+  readonly maxQpInitRdAtom?: number;
+  readonly maxMw?: number;
+  readonly memoryWindowType2?: boolean;
+  readonly physPortCnt?: number;
+  readonly ports?: readonly NativePort[];
+}
+
+export interface NativeMr {
+  readonly id: number;
+  readonly lkey: number;
+  readonly rkey: number;
+  readonly addr: bigint;
+  readonly length: number;
+}
+
+export interface NativeQp {
+  readonly id: number;
+  readonly qpn: number;
+  readonly maxSendWr: number;
+}
+
+export interface RtrAttributes {
+  readonly destQpn: number;
+  readonly rqPsn: number;
+  readonly dlid: number;
+  readonly mtu: number;
+  readonly port: number;
+  readonly sl: number;
+  readonly maxDestRdAtomic: number;
+  readonly minRnrTimer: number;
+  readonly isGlobal: boolean;
+  readonly dgid?: Uint8Array;
+  readonly sgidIndex: number;
+  readonly hopLimit: number;
+  readonly trafficClass: number;
+}
+
+export interface RtsAttributes {
+  readonly sqPsn: number;
+  readonly timeout: number;
+  readonly retryCnt: number;
+  readonly rnrRetry: number;
+  readonly maxRdAtomic: number;
+}
+
+export interface PostResult {
+  /** How many work requests of the chain the NIC accepted (all, unless ibv_post_send failed). */
+  readonly posted: number;
+  readonly errno: number;
+  readonly error?: string;
+}
+
+/** An open device: context, PD, completion channel, and one poller thread. */
+export interface NativeDevice {
+  readonly name: string;
+  readonly isOpen: boolean;
+  info(): NativeDeviceInfo;
+  regHost(view: Uint8Array, access: number): NativeMr;
+  regDmabuf(fd: number, offset: number, length: number, iova: bigint, access: number): NativeMr;
+  deregMr(id: number): boolean;
+  createCq(cqe: number): number;
+  destroyCq(id: number): boolean;
+  createQp(cqId: number, maxSendWr: number): NativeQp;
+  destroyQp(id: number): boolean;
+  qpInit(id: number, port: number, access: number): void;
+  qpRtr(id: number, attrs: RtrAttributes): void;
+  qpRts(id: number, attrs: RtsAttributes): void;
+  qpError(id: number): void;
+  /** 7 entries per work request: op (0 READ, 1 WRITE), wrId, mrId, localOffset, remoteAddr, rkey, length. */
+  post(qpId: number, wrs: BigUint64Array): PostResult;
+  close(): void;
+}
+
+/** Live native resources in this environment; the churn test checks they return to start. */
+export interface NativeCounters {
+  readonly devices: number;
+  readonly pds: number;
+  readonly mrs: number;
+  readonly mws: number;
+  readonly cqs: number;
+  readonly qps: number;
+  readonly channels: number;
+  readonly threads: number;
+  readonly postedWrs: number;
+  readonly completions: number;
+}
+
+/**
+ * The device's completion callback gets a Float64Array of (cqId, wrId, status, opcode,
+ * vendorErr) tuples. A tuple with cqId 0 and status -1 means the completion channel
+ * failed (device removed).
+ */
+export type CompletionListener = (tuples: Float64Array) => void;
+
+export interface NativeAddon {
+  readonly builtWithVerbs: boolean;
+  readonly napiVersion: number;
+  probe(): NativeProbe;
+  counters(): NativeCounters;
+  listDevices(): NativeDeviceInfo[];
+  wcStatusString(status: number): string;
+  readonly Device: new (name: string, onCompletions: CompletionListener) => NativeDevice;
+}
+
+export const ADDON_FILE = 'tensorwire_rdma_verbs.node';
+
+/** Where the loader looks, in order. */
+export function addonCandidates(): string[] {
+  const here = dirname(fileURLToPath(import.meta.url)); // dist/ or src/
+  const pkg = resolve(here, '..');
+  const out: string[] = [];
+  const env = process.env['TENSORWIRE_RDMA_ADDON'];
+  if (env !== undefined && env !== '') out.push(resolve(env));
+  out.push(resolve(pkg, 'build', 'Release', ADDON_FILE), resolve(pkg, 'build', 'Debug', ADDON_FILE));
+  return out;
+}
+
+export type LoadResult = { readonly addon: NativeAddon; readonly path: string } | { readonly errors: readonly string[] };
+
+let cached: LoadResult | undefined;
+
+/** Try every candidate; never throws. The result is cached per process. */
+export function tryLoadNative(): LoadResult {
+  if (cached !== undefined) return cached;
+  const require = createRequire(import.meta.url);
+  const errors: string[] = [];
+  for (const path of addonCandidates()) {
+    if (!existsSync(path)) {
+      errors.push(`${path}: not found`);
+      continue;
+    }
+    try {
+      const addon = require(path) as NativeAddon;
+      cached = { addon, path };
+      return cached;
+    } catch (e) {
+      errors.push(`${path}: ${e instanceof Error ? e.message : String(e)}`);
+    }
+  }
+  cached = { errors };
+  return cached;
+}
+
+/** The addon, or BackendUnavailableError listing every path tried and its error. */
+export function loadNative(): NativeAddon {
+  const r = tryLoadNative();
+  if ('addon' in r) return r.addon;
+  throw new BackendUnavailableError(`the rdma-verbs native addon could not be loaded (run \`npm run build:native\`): ${r.errors.join('; ')}`, {
+    details: { tried: r.errors },
+  });
+}
+
+/** Turn an error thrown by the addon (which carries a TW_* code) into the typed error. */
+export function nativeError(e: unknown, what: string): TensorwireError {
+  const code = (e as { code?: unknown } | null)?.code;
+  const message = e instanceof Error ? e.message : String(e);
+  if (isErrorCode(code)) return errorFromCode(code, `${what}: ${message}`, { cause: e });
+  return errorFromCode(ErrorCode.BackendUnavailable, `${what}: ${message}`, { cause: e });
+}
+
+/** ibv_access_flags. */
+export const Access = {
+  LocalWrite: 1,
+  RemoteWrite: 2,
+  RemoteRead: 4,
+} as const;
+
+/** ibv_wc_status values this package treats specially. */
+export const WcStatus = {
+  Success: 0,
+  LocLenErr: 1,
+  LocQpOpErr: 2,
+  LocProtErr: 4,
+  WrFlushErr: 5,
+  RemInvReqErr: 9,
+  RemAccessErr: 10,
+  RemOpErr: 11,
+  RetryExcErr: 12,
+  RnrRetryExcErr: 13,
+} as const;

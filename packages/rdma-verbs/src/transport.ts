@@ -1,0 +1,1137 @@
+/**
+ * The `rdma` transport: core's Transport v1 over libibverbs RC queue pairs, one-sided READ
+ * and WRITE.
+ *
+ * - A connection owns everything per peer: its control socket, one CQ, N queue pairs
+ *   (streams), the work requests in flight and the operations waiting for send credits.
+ *   The transport finds connections by peer identity; a CQ id only routes completions to
+ *   the connection that owns the CQ.
+ * - Work is posted in signaled chains, never more than the send queue holds; the rest waits.
+ * - On a failed completion, an abort or a deadline with work on the NIC, the connection is
+ *   quiesced (every QP to ERR, then every outstanding work request is waited for until it has
+ *   flushed) before anything is rejected, so memory is never reused while the NIC can still
+ *   DMA into it. If flushes do not arrive in time the QPs are destroyed, which also stops DMA.
+ */
+import { randomInt } from 'node:crypto';
+import { createConnection, createServer, type Server, type Socket } from 'node:net';
+import { networkInterfaces } from 'node:os';
+import {
+  BackendUnavailableError,
+  ClosedError,
+  ConnectionBrokenError,
+  InvalidInputError,
+  RemoteRejectedError,
+  ResourceExhaustedError,
+  SessionInvalidatedError,
+  TimedOutError,
+  TRANSPORT_SPECIFICATION_VERSION,
+  errorFromSignal,
+  silentLogger,
+  toTensorwireError,
+  type CudaMemory,
+  type ConnectOptions,
+  type ExecuteOptions,
+  type Logger,
+  type Memory,
+  type MemoryKind,
+  type NodeIdentity,
+  type TensorwireError,
+  type TransferChunk,
+  type Transport,
+  type TransportCapabilities,
+  type TransportConnection,
+  type TransportHost,
+  type TransportRegistration,
+} from '@tensorwire/core';
+import {
+  addressVector,
+  chooseMtu,
+  chooseRdAtomic,
+  isIpv4MappedGid,
+  lidProblem,
+  linkLayerName,
+  qpCountProblem,
+  type DeviceRecord,
+} from './attributes.js';
+import { capabilities as probeCapabilities, type RdmaCapabilities } from './capabilities.js';
+import { Access, WcStatus, loadNative, nativeError, tryLoadNative, type NativeAddon, type NativeDevice } from './native.js';
+import {
+  FrameReader,
+  MAX_QPS_PER_PEER,
+  decodeEndpoint,
+  decodeGrant,
+  encodeEndpoint,
+  encodeFrame,
+  encodeGrant,
+  type ControlMessage,
+  type QpSetup,
+  type RdmaEndpoint,
+  type RemoteGrant,
+} from './wire.js';
+
+export interface CudaDmabufExport {
+  /** A dma-buf file descriptor covering the allocation (cuMemGetHandleForAddressRange). */
+  readonly fd: number;
+  /** Offset of `pointer` inside the dma-buf. */
+  readonly offset: number;
+  /** Called after the MR is deregistered (close the fd). */
+  release?(): void;
+}
+
+export interface RdmaTransportOptions {
+  /** RDMA device; default TENSORWIRE_RDMA_DEVICE, else the first device with an active port. */
+  device?: string;
+  /** Port number on the device; default the first ACTIVE one. */
+  port?: number;
+  /** GID index; default chosen by `selectGid` (RoCE v2, non-link-local first). */
+  gidIndex?: number;
+  /** Queue pairs per peer per NIC (= streams). Both sides must agree. Default 2. */
+  queuePairsPerPeer?: number;
+  /** Send-queue depth per QP (work requests in flight). Default 128, capped by the device. */
+  maxSendWr?: number;
+  /** Address the out-of-band TCP listener binds. Default 0.0.0.0. */
+  listenHost?: string;
+  listenPort?: number;
+  /** Address peers dial; default the GID's IPv4 (RoCE), else the first non-internal IPv4, else 127.0.0.1. */
+  advertiseHost?: string;
+  /** Largest chunk; default 64 MiB (a work request carries at most 2 GiB). */
+  maxChunkBytes?: number;
+  /** Preference among transports (TCP is 10). Default 100. */
+  rank?: number;
+  trafficClass?: number;
+  serviceLevel?: number;
+  /** How long to wait for flushed completions before destroying the QPs. Default 10 s. */
+  quiesceTimeoutMs?: number;
+  /** Accept-side handshake deadline. Default 10 s. */
+  handshakeTimeoutMs?: number;
+  /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
+  cudaDmabuf?: (memory: CudaMemory) => CudaDmabufExport;
+  logger?: Logger;
+}
+
+const ACCESS = Access.LocalWrite | Access.RemoteRead | Access.RemoteWrite;
+const MAX_WR_BYTES = 0x80000000;
+const POST_BATCH = 32;
+
+/** A registration's handle: opaque to the engine. */
+class RdmaRegistration {
+  readonly owner: RdmaTransport;
+  readonly mrId: number;
+  readonly length: number;
+  readonly addr: bigint;
+  readonly rkey: number;
+  readonly release: (() => void) | undefined;
+  revoked = false;
+  /** Work requests on the NIC that use this memory. */
+  posted = 0;
+  idle: (() => void)[] = [];
+  constructor(owner: RdmaTransport, mrId: number, length: number, addr: bigint, rkey: number, release?: () => void) {
+    this.owner = owner;
+    this.mrId = mrId;
+    this.length = length;
+    this.addr = addr;
+    this.rkey = rkey;
+    this.release = release;
+  }
+}
+
+/** What decodeRemote returns; only instances of this class are accepted by execute(). */
+class RemoteRegion {
+  readonly grant: RemoteGrant;
+  constructor(grant: RemoteGrant) {
+    this.grant = grant;
+  }
+}
+
+interface Op {
+  readonly total: number;
+  done: number;
+  posted: number;
+  queued: number;
+  error: TensorwireError | undefined;
+  settled: boolean;
+  readonly signal: AbortSignal;
+  resolve(): void;
+  reject(e: TensorwireError): void;
+  cleanup(): void;
+}
+
+interface Pending {
+  readonly op: Op;
+  readonly chunk: TransferChunk;
+  readonly reg: RdmaRegistration;
+  readonly remote: RemoteGrant;
+  readonly stream: number;
+  wrId: number;
+}
+
+interface Stream {
+  readonly qpId: number;
+  readonly qpn: number;
+  readonly maxSendWr: number;
+  readonly inflight: Map<number, Pending>;
+  queue: Pending[];
+}
+
+function wcError(status: number, vendorErr: number, native: NativeAddon, peer: string): TensorwireError {
+  const text = `${native.wcStatusString(status)} (status ${status}, vendor error 0x${vendorErr.toString(16)})`;
+  if (status === WcStatus.RemAccessErr || status === WcStatus.RemInvReqErr) {
+    return new RemoteRejectedError(`peer ${peer} refused the RDMA access: ${text}`, { details: { remoteCode: 'remote-access', status } });
+  }
+  if (status === WcStatus.LocProtErr || status === WcStatus.LocLenErr) {
+    return new InvalidInputError(`local RDMA error: ${text}`, { details: { status } });
+  }
+  return new ConnectionBrokenError(`RDMA work request to ${peer} failed: ${text}`, { details: { status } });
+}
+
+// -------------------------------------------------------------------------------------
+// Control socket helpers
+
+class Control {
+  readonly socket: Socket;
+  readonly #reader = new FrameReader();
+  #listener: ((m: ControlMessage) => void) | undefined;
+  #backlog: ControlMessage[] = [];
+  #failure: ((e: TensorwireError) => void) | undefined;
+  #failed: TensorwireError | undefined;
+  constructor(socket: Socket) {
+    this.socket = socket;
+    socket.setNoDelay(true);
+    socket.setKeepAlive(true, 5_000);
+    socket.on('data', (d: Buffer) => {
+      let msgs: ControlMessage[];
+      try {
+        msgs = this.#reader.push(d);
+      } catch (e) {
+        this.#fail(toTensorwireError(e, InvalidInputError));
+        socket.destroy();
+        return;
+      }
+      for (const m of msgs) {
+        if (this.#listener) this.#listener(m);
+        else this.#backlog.push(m);
+      }
+    });
+    socket.on('error', (e) => this.#fail(new ConnectionBrokenError(`control socket: ${e.message}`, { cause: e })));
+    socket.on('close', () => this.#fail(new ConnectionBrokenError('control socket closed')));
+  }
+  #fail(e: TensorwireError): void {
+    if (this.#failed) return;
+    this.#failed = e;
+    this.#failure?.(e);
+  }
+  onMessage(listener: (m: ControlMessage) => void): void {
+    this.#listener = listener;
+    for (const m of this.#backlog.splice(0)) listener(m);
+  }
+  onFailure(listener: (e: TensorwireError) => void): void {
+    this.#failure = listener;
+    if (this.#failed) listener(this.#failed);
+  }
+  send(m: ControlMessage): void {
+    if (!this.socket.destroyed && this.socket.writable) this.socket.write(encodeFrame(m));
+  }
+  /** The next message, or a typed error on failure, abort or deadline. */
+  next(signal: AbortSignal | undefined, deadline: number, what: string): Promise<ControlMessage> {
+    return new Promise<ControlMessage>((resolve, reject) => {
+      const done = (): void => {
+        clearTimeout(timer);
+        signal?.removeEventListener('abort', onAbort);
+        this.#listener = undefined;
+        this.#failure = undefined;
+      };
+      const onAbort = (): void => {
+        done();
+        reject(errorFromSignal(signal as AbortSignal, what));
+      };
+      const timer = setTimeout(() => {
+        done();
+        reject(new TimedOutError(`${what} timed out`));
+      }, Math.max(0, deadline - Date.now()));
+      if (signal?.aborted) return onAbort();
+      signal?.addEventListener('abort', onAbort, { once: true });
+      this.onFailure((e) => {
+        done();
+        reject(e);
+      });
+      this.onMessage((m) => {
+        done();
+        resolve(m);
+      });
+    });
+  }
+}
+
+// -------------------------------------------------------------------------------------
+
+interface Queues {
+  readonly cqId: number;
+  readonly qps: { id: number; qpn: number; maxSendWr: number; psn: number }[];
+}
+
+export class RdmaConnection implements TransportConnection {
+  readonly transport = 'rdma';
+  readonly peer: NodeIdentity;
+  readonly initiator: string;
+  readonly streams: number;
+  readonly #owner: RdmaTransport;
+  readonly #device: NativeDevice;
+  readonly #native: NativeAddon;
+  readonly #control: Control;
+  readonly #cqId: number;
+  readonly #streams: Stream[];
+  readonly #byWr = new Map<number, Pending>();
+  readonly #ops = new Set<Op>();
+  readonly #closeListeners: ((e: TensorwireError | undefined) => void)[] = [];
+  readonly #retireListeners: (() => void)[] = [];
+  #nextWrId = 1;
+  #state: 'open' | 'retiring' | 'closing' | 'closed' = 'open';
+  #closing: Promise<void> | undefined;
+  #retiring: Promise<void> | undefined;
+  #closeError: TensorwireError | undefined;
+  #peerClosed = false;
+  #drained: (() => void) | undefined;
+
+  /** @internal */
+  constructor(owner: RdmaTransport, device: NativeDevice, native: NativeAddon, control: Control, peer: NodeIdentity, initiator: string, q: Queues) {
+    this.#owner = owner;
+    this.#device = device;
+    this.#native = native;
+    this.#control = control;
+    this.peer = peer;
+    this.initiator = initiator;
+    this.streams = q.qps.length;
+    this.#cqId = q.cqId;
+    this.#streams = q.qps.map((x) => ({ qpId: x.id, qpn: x.qpn, maxSendWr: x.maxSendWr, inflight: new Map(), queue: [] }));
+    control.onMessage((m) => this.#onControl(m));
+    control.onFailure((e) => {
+      if (this.#state === 'open' || this.#state === 'retiring') {
+        void this.#shutdown(this.#peerClosed && this.#byWr.size === 0 ? undefined : e, e);
+      }
+    });
+  }
+
+  get isOpen(): boolean {
+    return this.#state === 'open';
+  }
+
+  /** Work requests on the NIC right now (all streams). */
+  get outstanding(): number {
+    return this.#byWr.size;
+  }
+
+  onClose(listener: (error: TensorwireError | undefined) => void): void {
+    if (this.#state === 'closed') queueMicrotask(() => listener(this.#closeError));
+    else this.#closeListeners.push(listener);
+  }
+
+  onRetire(listener: () => void): void {
+    this.#retireListeners.push(listener);
+  }
+
+  execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+    if (this.#state !== 'open') {
+      return Promise.reject(this.#closeError ?? new ClosedError(`rdma connection to ${this.peer.nodeId} is ${this.#state}`));
+    }
+    if (!Number.isInteger(stream) || stream < 0 || stream >= this.streams) {
+      return Promise.reject(new InvalidInputError(`stream ${stream} is not in 0..${this.streams - 1}`, { details: { field: 'stream' } }));
+    }
+    const pendings: Pending[] = [];
+    let op!: Op;
+    try {
+      for (const [i, c] of chunks.entries()) {
+        const reg = c.local;
+        if (!(reg instanceof RdmaRegistration) || reg.owner !== this.#owner) {
+          throw new InvalidInputError(`chunk ${i}: local memory is not registered with this rdma transport`, { details: { field: 'local' } });
+        }
+        if (reg.revoked) throw new InvalidInputError(`chunk ${i}: local registration was revoked`, { details: { field: 'local' } });
+        if (!(c.remote instanceof RemoteRegion)) {
+          throw new InvalidInputError(`chunk ${i}: remote is not an rdma descriptor`, { details: { field: 'remote' } });
+        }
+        if (c.op !== 'read' && c.op !== 'write') throw new InvalidInputError(`chunk ${i}: unknown op`, { details: { field: 'op' } });
+        const g = c.remote.grant;
+        const ok = (off: number, len: number, size: number): boolean =>
+          Number.isSafeInteger(off) && Number.isSafeInteger(len) && off >= 0 && len > 0 && off + len <= size;
+        if (!ok(c.localOffset, c.length, reg.length)) {
+          throw new InvalidInputError(`chunk ${i}: local range ${c.localOffset}+${c.length} is outside its registration of ${reg.length} bytes`, {
+            details: { field: 'localOffset' },
+          });
+        }
+        if (!ok(c.remoteOffset, c.length, g.length)) {
+          throw new InvalidInputError(`chunk ${i}: remote range ${c.remoteOffset}+${c.length} is outside its registration of ${g.length} bytes`, {
+            details: { field: 'remoteOffset' },
+          });
+        }
+        if (c.length > MAX_WR_BYTES) throw new InvalidInputError(`chunk ${i}: ${c.length} bytes exceeds one work request`, { details: { field: 'length' } });
+        pendings.push({ op: undefined as unknown as Op, chunk: c, reg, remote: g, stream, wrId: 0 });
+      }
+    } catch (e) {
+      return Promise.reject(toTensorwireError(e, InvalidInputError));
+    }
+    if (options.signal.aborted) return Promise.reject(errorFromSignal(options.signal, 'rdma transfer'));
+    if (pendings.length === 0) return Promise.resolve();
+    return new Promise<void>((resolve, reject) => {
+      const onAbort = (): void => this.#abortOp(op, errorFromSignal(options.signal, 'rdma transfer'));
+      const timer = setTimeout(() => this.#abortOp(op, new TimedOutError(`rdma transfer to ${this.peer.nodeId} passed its deadline`)), Math.max(0, options.deadline - Date.now()));
+      op = {
+        total: pendings.length,
+        done: 0,
+        posted: 0,
+        queued: pendings.length,
+        error: undefined,
+        settled: false,
+        signal: options.signal,
+        resolve,
+        reject,
+        cleanup: () => {
+          clearTimeout(timer);
+          options.signal.removeEventListener('abort', onAbort);
+        },
+      };
+      options.signal.addEventListener('abort', onAbort, { once: true });
+      this.#ops.add(op);
+      const s = this.#streams[stream] as Stream;
+      for (const p of pendings) s.queue.push({ ...p, op });
+      this.#pump(s);
+    });
+  }
+
+  #pump(s: Stream): void {
+    while (this.#state !== 'closing' && this.#state !== 'closed' && s.queue.length > 0 && s.inflight.size < s.maxSendWr) {
+      const room = Math.min(s.maxSendWr - s.inflight.size, POST_BATCH);
+      const batch: Pending[] = [];
+      while (batch.length < room && s.queue.length > 0) {
+        const p = s.queue.shift() as Pending;
+        p.op.queued--;
+        if (p.op.error !== undefined) {
+          this.#maybeSettle(p.op);
+          continue;
+        }
+        if (p.reg.revoked) {
+          p.op.error = new InvalidInputError('local registration was revoked before its transfer started', { details: { field: 'local' } });
+          this.#dropQueued(p.op);
+          this.#maybeSettle(p.op);
+          continue;
+        }
+        batch.push(p);
+      }
+      if (batch.length === 0) continue;
+      const wrs = new BigUint64Array(batch.length * 7);
+      batch.forEach((p, i) => {
+        p.wrId = this.#nextWrId++;
+        const c = p.chunk;
+        wrs.set(
+          [
+            c.op === 'read' ? 0n : 1n,
+            BigInt(p.wrId),
+            BigInt(p.reg.mrId),
+            BigInt(c.localOffset),
+            p.remote.addr + BigInt(c.remoteOffset),
+            BigInt(p.remote.rkey),
+            BigInt(c.length),
+          ],
+          i * 7,
+        );
+      });
+      let posted = 0;
+      let failure: TensorwireError | undefined;
+      try {
+        const r = this.#device.post(s.qpId, wrs);
+        posted = r.posted;
+        if (r.errno !== 0) {
+          failure =
+            r.errno === 12
+              ? new ResourceExhaustedError(`send queue full: ${r.error ?? ''}`)
+              : new ConnectionBrokenError(`posting to ${this.peer.nodeId} failed: ${r.error ?? `errno ${r.errno}`}`);
+        }
+      } catch (e) {
+        failure = nativeError(e, 'ibv_post_send');
+      }
+      for (let i = 0; i < batch.length; i++) {
+        const p = batch[i] as Pending;
+        if (i < posted) {
+          s.inflight.set(p.wrId, p);
+          this.#byWr.set(p.wrId, p);
+          p.reg.posted++;
+          p.op.posted++;
+        } else {
+          p.op.error ??= failure ?? new ConnectionBrokenError('work request was not posted');
+          this.#dropQueued(p.op);
+          this.#maybeSettle(p.op);
+        }
+      }
+      if (failure !== undefined) {
+        if (failure.breaksConnection) void this.#shutdown(failure, failure);
+        return;
+      }
+    }
+  }
+
+  #dropQueued(op: Op): void {
+    if (op.queued === 0) return;
+    for (const s of this.#streams) {
+      const keep = s.queue.filter((p) => p.op !== op);
+      op.queued -= s.queue.length - keep.length;
+      s.queue = keep;
+    }
+  }
+
+  /** The device's poller delivered a completion for this connection's CQ. */
+  onCompletion(wrId: number, status: number, vendorErr: number): void {
+    const p = this.#byWr.get(wrId);
+    if (!p) return;
+    this.#byWr.delete(wrId);
+    const s = this.#streams[p.stream] as Stream;
+    s.inflight.delete(wrId);
+    p.reg.posted--;
+    if (p.reg.posted === 0) for (const f of p.reg.idle.splice(0)) f();
+    p.op.posted--;
+    if (status === WcStatus.Success) {
+      p.op.done++;
+    } else if (status === WcStatus.WrFlushErr) {
+      p.op.error ??= this.#closeError ?? new ConnectionBrokenError(`work request flushed: the queue pair to ${this.peer.nodeId} is in error`);
+    } else {
+      const err = wcError(status, vendorErr, this.#native, this.peer.nodeId);
+      p.op.error ??= err;
+      // The other streams of the same transfer (the engine passes one signal per transfer)
+      // report the cause, not the flush it leads to.
+      for (const o of this.#ops) if (o.signal === p.op.signal) o.error ??= err;
+      // An RC QP that completed in error is in ERR: the connection is done. Quiesce it.
+      void this.#shutdown(new ConnectionBrokenError(`queue pair to ${this.peer.nodeId} failed: ${err.message}`, { cause: err }), undefined);
+    }
+    this.#maybeSettle(p.op);
+    if (this.#byWr.size === 0) this.#drained?.();
+    if (this.#state === 'open' || this.#state === 'retiring') this.#pump(s);
+  }
+
+  #maybeSettle(op: Op): void {
+    if (op.settled || op.posted > 0 || op.queued > 0) return;
+    if (op.error === undefined && op.done < op.total) return;
+    op.settled = true;
+    op.cleanup();
+    this.#ops.delete(op);
+    if (op.error !== undefined) op.reject(op.error);
+    else op.resolve();
+    if (this.#ops.size === 0) this.#idle?.();
+  }
+
+  #idle: (() => void) | undefined;
+
+  #abortOp(op: Op, error: TensorwireError): void {
+    if (op.settled) return;
+    op.error ??= error;
+    this.#dropQueued(op);
+    if (op.posted === 0) {
+      this.#maybeSettle(op);
+      return;
+    }
+    // Work is on the NIC and an RC work request cannot be recalled: quiesce the connection.
+    void this.#shutdown(new ConnectionBrokenError(`rdma connection to ${this.peer.nodeId} quiesced after: ${error.message}`, { cause: error }), undefined);
+  }
+
+  #onControl(m: ControlMessage): void {
+    if (m.type === 'retire') {
+      for (const l of this.#retireListeners.splice(0)) l();
+    } else if (m.type === 'close') {
+      this.#peerClosed = true;
+      void this.#shutdown(this.#byWr.size === 0 && this.#ops.size === 0 ? undefined : new ConnectionBrokenError(`peer ${this.peer.nodeId} closed the connection`), undefined);
+    } else {
+      void this.#shutdown(new ConnectionBrokenError(`unexpected ${m.type} message from ${this.peer.nodeId}`), undefined);
+    }
+  }
+
+  retire(): Promise<void> {
+    if (this.#retiring) return this.#retiring;
+    if (this.#state !== 'open') return (this.#retiring = this.#closing ?? Promise.resolve());
+    this.#state = 'retiring';
+    this.#control.send({ type: 'retire' });
+    this.#retiring = (async () => {
+      if (this.#ops.size > 0) await new Promise<void>((r) => (this.#idle = r));
+      await this.#shutdown(undefined, undefined);
+    })();
+    return this.#retiring;
+  }
+
+  close(error?: TensorwireError): Promise<void> {
+    return this.#shutdown(error, error ?? new ClosedError(`rdma connection to ${this.peer.nodeId} closed`));
+  }
+
+  /**
+   * Quiesce and release, once. `reported` goes to onClose listeners; ops that have not
+   * failed yet fail with `opError` (or the right error for their state).
+   */
+  #shutdown(reported: TensorwireError | undefined, opError: TensorwireError | undefined): Promise<void> {
+    if (this.#closing) return this.#closing;
+    this.#state = 'closing';
+    this.#closeError = reported;
+    const failWith = opError ?? reported ?? new ClosedError(`rdma connection to ${this.peer.nodeId} closed`);
+    this.#closing = (async () => {
+      for (const op of [...this.#ops]) {
+        if (op.error === undefined) {
+          op.error = op.signal.aborted
+            ? errorFromSignal(op.signal, 'rdma transfer')
+            : op.posted === 0
+              ? new SessionInvalidatedError(`rdma connection to ${this.peer.nodeId} closed before the transfer started: ${failWith.message}`, { cause: failWith })
+              : failWith;
+        }
+        this.#dropQueued(op);
+      }
+      for (const s of this.#streams) s.queue = [];
+      if (this.#byWr.size > 0) {
+        // Invariant 6: move every QP to ERR and wait until each outstanding WR has flushed.
+        for (const s of this.#streams) {
+          try {
+            this.#device.qpError(s.qpId);
+          } catch {
+            // already in error or device gone; destroying the QP below still stops DMA
+          }
+        }
+        await new Promise<void>((resolve) => {
+          const timer = setTimeout(resolve, this.#owner.quiesceTimeoutMs);
+          this.#drained = () => {
+            clearTimeout(timer);
+            resolve();
+          };
+          if (this.#byWr.size === 0) this.#drained();
+        });
+        if (this.#byWr.size > 0) {
+          this.#owner.logger.warn('rdma: flushes did not all arrive; destroying the queue pairs stops DMA', { peer: this.peer.nodeId, outstanding: this.#byWr.size });
+        }
+      }
+      // Destroying the QPs guarantees the NIC no longer touches any buffer they referenced.
+      for (const s of this.#streams) {
+        try {
+          this.#device.destroyQp(s.qpId);
+        } catch (e) {
+          this.#owner.logger.warn('rdma: ibv_destroy_qp failed', { error: String(e) });
+        }
+      }
+      for (const p of this.#byWr.values()) {
+        p.reg.posted--;
+        if (p.reg.posted === 0) for (const f of p.reg.idle.splice(0)) f();
+        p.op.posted--;
+        p.op.error ??= failWith;
+      }
+      this.#byWr.clear();
+      for (const s of this.#streams) s.inflight.clear();
+      this.#owner.releaseCq(this.#cqId, this);
+      this.#control.send({ type: 'close' });
+      this.#control.socket.end();
+      setTimeout(() => this.#control.socket.destroy(), 1_000).unref();
+      for (const op of [...this.#ops]) this.#maybeSettle(op);
+      this.#state = 'closed';
+      this.#owner.forget(this);
+      for (const l of this.#closeListeners.splice(0)) {
+        try {
+          l(reported);
+        } catch {
+          // a listener's failure is its own
+        }
+      }
+    })();
+    return this.#closing;
+  }
+}
+
+interface LocalPort {
+  readonly port: number;
+  readonly linkLayer: number;
+  readonly lid: number;
+  readonly gid: string;
+  readonly gidIndex: number;
+  readonly activeMtu: number;
+}
+
+// -------------------------------------------------------------------------------------
+
+export class RdmaTransport implements Transport {
+  readonly specificationVersion = TRANSPORT_SPECIFICATION_VERSION;
+  readonly name = 'rdma';
+  readonly capabilities: TransportCapabilities;
+  readonly queuePairsPerPeer: number;
+  readonly quiesceTimeoutMs: number;
+  logger: Logger;
+  readonly #options: RdmaTransportOptions;
+  #host: TransportHost | undefined;
+  #native: NativeAddon | undefined;
+  #device: NativeDevice | undefined;
+  #record: DeviceRecord | undefined;
+  #caps: RdmaCapabilities | undefined;
+  #local: LocalPort | undefined;
+  #server: Server | undefined;
+  #endpoint: Uint8Array | undefined;
+  #maxSendWr = 128;
+  readonly #registrations = new Set<RdmaRegistration>();
+  readonly #connections = new Map<string, Set<RdmaConnection>>(); // by peer identity
+  readonly #cqRoutes = new Map<number, RdmaConnection>();
+  readonly #handshakes = new Set<Socket>();
+  #closing: Promise<void> | undefined;
+  #starting: Promise<void> | undefined;
+
+  constructor(options: RdmaTransportOptions = {}) {
+    this.#options = options;
+    this.logger = options.logger ?? silentLogger;
+    const qps = options.queuePairsPerPeer ?? 2;
+    if (!Number.isInteger(qps) || qps < 1 || qps > MAX_QPS_PER_PEER) {
+      throw new InvalidInputError(`queuePairsPerPeer must be 1..${MAX_QPS_PER_PEER}`, { details: { field: 'queuePairsPerPeer' } });
+    }
+    this.queuePairsPerPeer = qps;
+    this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
+    const load = tryLoadNative();
+    const dmabuf = 'addon' in load && options.cudaDmabuf !== undefined && load.addon.probe().dmabuf;
+    const kinds: MemoryKind[] = dmabuf ? ['host', 'cuda'] : ['host'];
+    this.capabilities = {
+      local: true,
+      remote: true,
+      memoryKinds: kinds,
+      oneSidedRead: true,
+      oneSidedWrite: true,
+      scopedGrants: true,
+      rank: options.rank ?? 100,
+      maxStreams: qps,
+      maxChunkBytes: Math.min(options.maxChunkBytes ?? 64 * 1024 * 1024, MAX_WR_BYTES),
+    };
+  }
+
+  /** What discovery found when the transport started (undefined before start). */
+  get discovery(): RdmaCapabilities | undefined {
+    return this.#caps;
+  }
+
+  start(host: TransportHost): Promise<void> {
+    this.#starting ??= this.#start(host);
+    return this.#starting;
+  }
+
+  async #start(host: TransportHost): Promise<void> {
+    if (this.#closing) throw new ClosedError('rdma transport is closed');
+    this.#host = host;
+    if (this.#options.logger === undefined) this.logger = host.logger;
+    const caps = probeCapabilities({
+      ...(this.#options.device !== undefined ? { device: this.#options.device } : {}),
+      ...(this.#options.port !== undefined ? { port: this.#options.port } : {}),
+      ...(this.#options.gidIndex !== undefined ? { gidIndex: this.#options.gidIndex } : {}),
+    });
+    this.#caps = caps;
+    const sel = caps.selected;
+    if (!caps.available || sel === undefined) throw new BackendUnavailableError(`rdma is unavailable: ${caps.reason ?? 'no usable device'}`);
+    const record = caps.devices.find((d) => d.name === sel.device) as DeviceRecord;
+    const port = record.ports.find((p) => p.port === sel.port);
+    if (!port) throw new BackendUnavailableError(`rdma: port ${sel.port} vanished from ${sel.device}`);
+    this.#record = record;
+    this.#native = loadNative();
+    try {
+      this.#device = new this.#native.Device(sel.device, (t) => this.#onCompletions(t));
+    } catch (e) {
+      throw nativeError(e, `open ${sel.device}`);
+    }
+    this.#maxSendWr = Math.max(1, Math.min(this.#options.maxSendWr ?? 128, record.maxQpWr || 128));
+    this.#local = { port: port.port, linkLayer: port.linkLayer, lid: port.lid, gid: sel.gid, gidIndex: sel.gidIndex, activeMtu: port.activeMtu };
+    const server = createServer((socket) => this.#accept(socket));
+    this.#server = server;
+    await new Promise<void>((resolve, reject) => {
+      server.once('error', reject);
+      server.listen(this.#options.listenPort ?? 0, this.#options.listenHost ?? '0.0.0.0', () => {
+        server.off('error', reject);
+        resolve();
+      });
+    });
+    server.unref();
+    const addr = server.address();
+    const tcpPort = typeof addr === 'object' && addr !== null ? addr.port : 0;
+    this.#endpoint = encodeEndpoint({
+      host: this.#advertiseHost(sel.gid),
+      port: tcpPort,
+      device: sel.device,
+      linkLayer: port.linkLayer === 2 ? 2 : 1,
+      lid: port.lid,
+      gid: sel.gid,
+      activeMtu: port.activeMtu,
+    });
+    this.logger.info('rdma transport started', { device: sel.device, port: sel.port, gidIndex: sel.gidIndex, linkLayer: sel.linkLayer, numaNode: sel.numaNode });
+  }
+
+  #advertiseHost(gid: string): string {
+    if (this.#options.advertiseHost) return this.#options.advertiseHost;
+    const listen = this.#options.listenHost;
+    if (listen && listen !== '0.0.0.0' && listen !== '::') return listen;
+    if (isIpv4MappedGid(gid)) {
+      const b = Buffer.from(gid.slice(24), 'hex');
+      return `${b[0]}.${b[1]}.${b[2]}.${b[3]}`;
+    }
+    for (const list of Object.values(networkInterfaces())) {
+      for (const a of list ?? []) if (a.family === 'IPv4' && !a.internal) return a.address;
+    }
+    return '127.0.0.1';
+  }
+
+  #requireStarted(): { device: NativeDevice; native: NativeAddon; host: TransportHost; local: LocalPort } {
+    if (this.#closing) throw new ClosedError('rdma transport is closed');
+    if (!this.#device || !this.#native || !this.#host || !this.#local) throw new ClosedError('rdma transport is not started');
+    return { device: this.#device, native: this.#native, host: this.#host, local: this.#local };
+  }
+
+  endpoint(): Uint8Array {
+    if (!this.#endpoint) throw new ClosedError('rdma transport is not started');
+    return this.#endpoint;
+  }
+
+  unreachableReason(_peer: NodeIdentity, endpoint: Uint8Array): string | undefined {
+    let ep: RdmaEndpoint;
+    try {
+      ep = decodeEndpoint(endpoint);
+    } catch (e) {
+      return `malformed rdma endpoint: ${e instanceof Error ? e.message : String(e)}`;
+    }
+    if (!this.#local) return 'rdma transport is not started';
+    if ((ep.linkLayer === 2) !== (this.#local.linkLayer === 2)) {
+      return `link layers differ: this node is ${linkLayerName(this.#local.linkLayer)}, the peer is ${linkLayerName(ep.linkLayer)}`;
+    }
+    const lid = lidProblem(ep.linkLayer, ep.lid);
+    if (lid !== undefined) return `peer port: ${lid}`;
+    return undefined;
+  }
+
+  async register(memory: Memory): Promise<TransportRegistration> {
+    const { device } = this.#requireStarted();
+    let reg: RdmaRegistration;
+    if (memory.kind === 'host') {
+      if (!(memory.buffer instanceof Uint8Array) || memory.buffer.byteLength === 0) {
+        throw new InvalidInputError('host memory must be a non-empty Uint8Array', { details: { field: 'buffer' } });
+      }
+      try {
+        const mr = device.regHost(memory.buffer, ACCESS);
+        reg = new RdmaRegistration(this, mr.id, mr.length, mr.addr, mr.rkey);
+      } catch (e) {
+        throw nativeError(e, 'ibv_reg_mr');
+      }
+    } else if (memory.kind === 'cuda') {
+      if (!this.capabilities.memoryKinds.includes('cuda') || !this.#options.cudaDmabuf) {
+        throw new InvalidInputError('cuda memory needs ibv_reg_dmabuf_mr and a cudaDmabuf exporter (RdmaTransportOptions.cudaDmabuf)', {
+          details: { field: 'kind' },
+        });
+      }
+      const exp = this.#options.cudaDmabuf(memory);
+      try {
+        const mr = device.regDmabuf(exp.fd, exp.offset, memory.byteLength, memory.pointer, ACCESS);
+        reg = new RdmaRegistration(this, mr.id, mr.length, mr.addr, mr.rkey, exp.release?.bind(exp));
+      } catch (e) {
+        exp.release?.();
+        throw nativeError(e, 'ibv_reg_dmabuf_mr');
+      }
+    } else {
+      throw new InvalidInputError(`unsupported memory kind ${JSON.stringify((memory as { kind: unknown }).kind)}`, { details: { field: 'kind' } });
+    }
+    this.#registrations.add(reg);
+    return { handle: reg, payload: encodeGrant({ grant: 'mr', addr: reg.addr, length: reg.length, rkey: reg.rkey }) };
+  }
+
+  async revoke(handle: object): Promise<void> {
+    if (!(handle instanceof RdmaRegistration) || handle.owner !== this) {
+      throw new InvalidInputError('not a registration of this rdma transport', { details: { field: 'handle' } });
+    }
+    if (handle.revoked) return;
+    handle.revoked = true;
+    // Nothing new is posted for it (queued work fails); wait for what is on the NIC.
+    if (handle.posted > 0) await new Promise<void>((r) => handle.idle.push(r));
+    this.#deregister(handle);
+  }
+
+  #deregister(reg: RdmaRegistration): void {
+    if (!this.#registrations.delete(reg)) return;
+    try {
+      // Deregistering invalidates the rkey: remote access fails from here on.
+      this.#device?.deregMr(reg.mrId);
+    } finally {
+      reg.release?.();
+    }
+  }
+
+  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
+    if (!this.capabilities.memoryKinds.includes(memoryKind) && memoryKind !== 'cuda' && memoryKind !== 'host') {
+      throw new InvalidInputError(`memory kind ${String(memoryKind)} is not supported`, { details: { field: 'memoryKind' } });
+    }
+    return new RemoteRegion(decodeGrant(payload, byteLength));
+  }
+
+  #setup(q: Queues): QpSetup {
+    const { host, local } = this.#requireStarted();
+    const rec = this.#record as DeviceRecord;
+    return {
+      identity: host.identity,
+      linkLayer: local.linkLayer === 2 ? 2 : 1,
+      lid: local.lid,
+      gid: local.gid,
+      activeMtu: local.activeMtu,
+      initiatorDepth: Math.max(1, Math.min(16, rec.maxQpInitRdAtom)),
+      responderResources: Math.max(1, Math.min(16, rec.maxQpRdAtom)),
+      qps: q.qps.map((x) => ({ qpn: x.qpn, psn: x.psn })),
+    };
+  }
+
+  /** Create a CQ and `count` RC QPs in INIT. Cleans up after itself on failure. */
+  #createQueues(count: number): Queues {
+    const { device, local } = this.#requireStarted();
+    let cqId = 0;
+    const qps: Queues['qps'] = [];
+    try {
+      cqId = device.createCq(count * this.#maxSendWr + 16);
+      for (let i = 0; i < count; i++) {
+        const qp = device.createQp(cqId, this.#maxSendWr);
+        qps.push({ id: qp.id, qpn: qp.qpn, maxSendWr: Math.min(qp.maxSendWr, this.#maxSendWr), psn: randomInt(0, 0x1000000) });
+        device.qpInit(qp.id, local.port, ACCESS);
+      }
+      return { cqId, qps };
+    } catch (e) {
+      this.#destroyQueues({ cqId, qps });
+      throw nativeError(e, 'creating queue pairs');
+    }
+  }
+
+  #destroyQueues(q: Queues): void {
+    const device = this.#device;
+    if (!device) return;
+    for (const qp of q.qps) {
+      try {
+        device.destroyQp(qp.id);
+      } catch {
+        // best effort on a failed handshake
+      }
+    }
+    if (q.cqId !== 0) {
+      this.#cqRoutes.delete(q.cqId);
+      try {
+        device.destroyCq(q.cqId);
+      } catch {
+        // best effort
+      }
+    }
+  }
+
+  /** Take every QP through RTR and RTS against the peer's setup. */
+  #connectQueues(q: Queues, remote: QpSetup): void {
+    const { device, local } = this.#requireStarted();
+    const rec = this.#record as DeviceRecord;
+    const mtu = chooseMtu(local.activeMtu, remote.activeMtu);
+    const av = addressVector({
+      linkLayer: local.linkLayer,
+      localPort: local.port,
+      localGidIndex: local.gidIndex,
+      localGid: local.gid,
+      remoteLid: remote.lid,
+      remoteGid: remote.gid,
+      ...(this.#options.trafficClass !== undefined ? { trafficClass: this.#options.trafficClass } : {}),
+      ...(this.#options.serviceLevel !== undefined ? { serviceLevel: this.#options.serviceLevel } : {}),
+    });
+    const initiatorDepth = chooseRdAtomic(Math.min(16, rec.maxQpInitRdAtom), remote.responderResources);
+    const responder = chooseRdAtomic(remote.initiatorDepth, Math.min(16, rec.maxQpRdAtom));
+    q.qps.forEach((qp, i) => {
+      const r = remote.qps[i] as { qpn: number; psn: number };
+      try {
+        device.qpRtr(qp.id, {
+          destQpn: r.qpn,
+          rqPsn: r.psn,
+          dlid: av.dlid,
+          mtu,
+          port: av.port,
+          sl: av.sl,
+          maxDestRdAtomic: responder,
+          minRnrTimer: 12,
+          isGlobal: av.isGlobal,
+          dgid: av.dgid,
+          sgidIndex: av.sgidIndex,
+          hopLimit: av.hopLimit,
+          trafficClass: av.trafficClass,
+        });
+        device.qpRts(qp.id, { sqPsn: qp.psn, timeout: 14, retryCnt: 7, rnrRetry: 7, maxRdAtomic: initiatorDepth });
+      } catch (e) {
+        throw nativeError(e, `bringing queue pair ${i} to RTS`);
+      }
+    });
+  }
+
+  #checkRemoteSetup(remote: QpSetup, expectedQps: number): TensorwireError | undefined {
+    const local = this.#local;
+    if (!local) return new ClosedError('rdma transport is not started');
+    const qp = qpCountProblem(expectedQps, remote.qps.length, MAX_QPS_PER_PEER);
+    if (qp !== undefined) return new InvalidInputError(qp, { details: { field: 'qpCount', remoteCode: 'qp-count-mismatch' } });
+    if ((remote.linkLayer === 2) !== (local.linkLayer === 2)) {
+      return new InvalidInputError(`link layers differ: ${linkLayerName(local.linkLayer)} here, ${linkLayerName(remote.linkLayer)} at the peer`, {
+        details: { field: 'linkLayer', remoteCode: 'link-layer-mismatch' },
+      });
+    }
+    const lid = lidProblem(remote.linkLayer, remote.lid);
+    if (lid !== undefined) return new InvalidInputError(`peer port: ${lid}`, { details: { field: 'lid', remoteCode: 'bad-lid' } });
+    return undefined;
+  }
+
+  async connect(peer: NodeIdentity, endpoint: Uint8Array, options: ConnectOptions): Promise<TransportConnection> {
+    const { device, native, host } = this.#requireStarted();
+    const ep = decodeEndpoint(endpoint);
+    const unreachable = this.unreachableReason(peer, endpoint);
+    if (unreachable !== undefined) throw new InvalidInputError(`cannot reach ${peer.nodeId} over rdma: ${unreachable}`);
+    const streams = Math.max(1, Math.min(options.streams, this.queuePairsPerPeer));
+    if (options.signal.aborted) throw errorFromSignal(options.signal, `rdma connect to ${peer.nodeId}`);
+    const socket = createConnection({ host: ep.host, port: ep.port });
+    const control = new Control(socket);
+    this.#handshakes.add(socket);
+    let q: Queues | undefined;
+    try {
+      await new Promise<void>((resolve, reject) => {
+        const onAbort = (): void => reject(errorFromSignal(options.signal, `rdma connect to ${peer.nodeId}`));
+        const timer = setTimeout(() => reject(new TimedOutError(`rdma connect to ${peer.nodeId} timed out`)), Math.max(0, options.deadline - Date.now()));
+        options.signal.addEventListener('abort', onAbort, { once: true });
+        const done = (): void => {
+          clearTimeout(timer);
+          options.signal.removeEventListener('abort', onAbort);
+        };
+        socket.once('connect', () => {
+          done();
+          resolve();
+        });
+        socket.once('error', (e) => {
+          done();
+          reject(new ConnectionBrokenError(`rdma control connection to ${ep.host}:${ep.port} failed: ${e.message}`, { cause: e }));
+        });
+      });
+      q = this.#createQueues(streams);
+      control.send({ type: 'hello', setup: this.#setup(q), target: { nodeId: peer.nodeId, incarnation: peer.incarnation } });
+      const reply = await control.next(options.signal, options.deadline, `rdma handshake with ${peer.nodeId}`);
+      if (reply.type === 'reject') {
+        throw new RemoteRejectedError(`${peer.nodeId} rejected the rdma connection: ${reply.message}`, { details: { remoteCode: reply.code } });
+      }
+      if (reply.type !== 'accept') throw new ConnectionBrokenError(`rdma handshake: expected accept, got ${reply.type}`);
+      const remote = reply.setup;
+      if (remote.identity.nodeId !== peer.nodeId || remote.identity.incarnation !== peer.incarnation) {
+        throw new ConnectionBrokenError(
+          `the node at ${ep.host}:${ep.port} is ${remote.identity.nodeId}/${remote.identity.incarnation}, expected ${peer.nodeId}/${peer.incarnation}`,
+        );
+      }
+      const problem = this.#checkRemoteSetup(remote, streams);
+      if (problem) throw problem;
+      this.#connectQueues(q, remote);
+      control.send({ type: 'ready' });
+      const conn = new RdmaConnection(this, device, native, control, remote.identity, host.identity.nodeId, q);
+      this.#adopt(conn, q.cqId);
+      this.#handshakes.delete(socket);
+      return conn;
+    } catch (e) {
+      this.#handshakes.delete(socket);
+      socket.destroy();
+      if (q) this.#destroyQueues(q);
+      throw toTensorwireError(e);
+    }
+  }
+
+  #accept(socket: Socket): void {
+    if (this.#closing || !this.#device) {
+      socket.destroy();
+      return;
+    }
+    this.#handshakes.add(socket);
+    const control = new Control(socket);
+    void this.#acceptHandshake(control).finally(() => this.#handshakes.delete(socket));
+  }
+
+  async #acceptHandshake(control: Control): Promise<void> {
+    const deadline = Date.now() + (this.#options.handshakeTimeoutMs ?? 10_000);
+    let q: Queues | undefined;
+    const reject = (code: string, message: string): void => {
+      control.send({ type: 'reject', code, message });
+      control.socket.end();
+      setTimeout(() => control.socket.destroy(), 1_000).unref();
+    };
+    try {
+      const hello = await control.next(undefined, deadline, 'rdma accept handshake');
+      if (hello.type !== 'hello') return reject('protocol', `expected hello, got ${hello.type}`);
+      const { device, native, host } = this.#requireStarted();
+      if (hello.target.nodeId !== host.identity.nodeId || hello.target.incarnation !== host.identity.incarnation) {
+        return reject('stale-endpoint', `this is ${host.identity.nodeId}/${host.identity.incarnation}, not ${hello.target.nodeId}/${hello.target.incarnation}`);
+      }
+      const problem = this.#checkRemoteSetup(hello.setup, this.queuePairsPerPeer);
+      if (problem) return reject(String(problem.details['remoteCode'] ?? problem.code), problem.message);
+      q = this.#createQueues(hello.setup.qps.length);
+      this.#connectQueues(q, hello.setup);
+      control.send({ type: 'accept', setup: this.#setup(q) });
+      const ready = await control.next(undefined, deadline, 'rdma accept handshake');
+      if (ready.type !== 'ready') throw new ConnectionBrokenError(`expected ready, got ${ready.type}`);
+      if (this.#closing) throw new ClosedError('rdma transport closed');
+      const conn = new RdmaConnection(this, device, native, control, hello.setup.identity, hello.setup.identity.nodeId, q);
+      this.#adopt(conn, q.cqId);
+      q = undefined;
+      host.inbound(conn);
+    } catch (e) {
+      const err = toTensorwireError(e);
+      if (err instanceof InvalidInputError) reject('invalid-input', err.message);
+      else control.socket.destroy();
+      if (q) this.#destroyQueues(q);
+      this.logger.debug('rdma: inbound handshake failed', { error: err.message });
+    }
+  }
+
+  #adopt(conn: RdmaConnection, cqId: number): void {
+    this.#cqRoutes.set(cqId, conn);
+    const key = `${conn.peer.nodeId}/${conn.peer.incarnation}`;
+    let set = this.#connections.get(key);
+    if (!set) this.#connections.set(key, (set = new Set()));
+    set.add(conn);
+  }
+
+  /** @internal a connection finished closing: drop it from the table in one step. */
+  forget(conn: RdmaConnection): void {
+    const key = `${conn.peer.nodeId}/${conn.peer.incarnation}`;
+    const set = this.#connections.get(key);
+    if (set?.delete(conn) && set.size === 0) this.#connections.delete(key);
+  }
+
+  /** @internal */
+  releaseCq(cqId: number, conn: RdmaConnection): void {
+    if (this.#cqRoutes.get(cqId) === conn) this.#cqRoutes.delete(cqId);
+    try {
+      this.#device?.destroyCq(cqId);
+    } catch (e) {
+      this.logger.warn('rdma: ibv_destroy_cq failed', { error: String(e) });
+    }
+  }
+
+  #onCompletions(t: Float64Array): void {
+    for (let i = 0; i + 4 < t.length; i += 5) {
+      const cqId = t[i] as number;
+      if (cqId === 0) {
+        const err = new ConnectionBrokenError('the RDMA device reported a fatal event (completion channel failed)');
+        for (const set of this.#connections.values()) for (const c of set) void c.close(err);
+        continue;
+      }
+      this.#cqRoutes.get(cqId)?.onCompletion(t[i + 1] as number, t[i + 2] as number, t[i + 4] as number);
+    }
+  }
+
+  /** Connections currently open or closing, per peer (for tests and diagnostics). */
+  connectionCount(): number {
+    let n = 0;
+    for (const s of this.#connections.values()) n += s.size;
+    return n;
+  }
+
+  close(): Promise<void> {
+    this.#closing ??= (async () => {
+      await this.#starting?.catch(() => undefined);
+      this.#server?.close();
+      for (const s of this.#handshakes) s.destroy();
+      this.#handshakes.clear();
+      const conns = [...this.#connections.values()].flatMap((s) => [...s]);
+      await Promise.allSettled(conns.map((c) => c.close(new ClosedError('rdma transport closed'))));
+      for (const reg of [...this.#registrations]) {
+        reg.revoked = true;
+        this.#deregister(reg);
+      }
+      this.#device?.close();
+      this.#device = undefined;
+    })();
+    return this.#closing;
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close();
+  }
+}

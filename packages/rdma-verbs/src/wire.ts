@@ -1,0 +1,337 @@
+/**
+ * Wire formats of the rdma transport (all integers big-endian, through core's
+ * bounds-checked ByteReader/ByteWriter; every decoder rejects trailing bytes):
+ *
+ * Endpoint blob (in the engine's endpoint, tells a peer how to reach us out of band):
+ *   "RVE" u8 version=1 | str8 host | u16 tcpPort | str8 device | u8 linkLayer (1 IB, 2 Ethernet)
+ *   | u16 lid | 16 bytes gid | u8 activeMtu (ibv_mtu)
+ *
+ * Descriptor payload (the rdma part of a memory descriptor):
+ *   "RVD" u8 version=1 | u8 grant (0 = whole-MR rkey) | u64 addr | u64 length | u32 rkey
+ *
+ * Control frames on the out-of-band TCP socket: u32 length (≤ MAX_FRAME) | u8 type | body
+ *   HELLO  (1): "RVH" u8 version=1 | setup | str8 targetNodeId | str8 targetIncarnation
+ *   ACCEPT (2): "RVH" u8 version=1 | setup
+ *   READY  (3), RETIRE (5), CLOSE (6): empty
+ *   REJECT (4): str8 code | blob16 utf-8 message
+ *   setup: str8 nodeId | str8 incarnation | str8 hostId | u8 linkLayer | u16 lid | 16 bytes gid
+ *          | u8 activeMtu | u8 initiatorDepth | u8 responderResources | u8 qpCount
+ *          | qpCount × (u32 qpn, u32 psn)      — qpn and psn are 24-bit
+ */
+import { assertOwner, ByteReader, ByteWriter, InvalidInputError, type NodeIdentity } from '@tensorwire/core';
+import { isU24 } from './attributes.js';
+
+export const WIRE_VERSION = 1;
+export const MAX_FRAME = 4096;
+export const MAX_QPS_PER_PEER = 16;
+const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
+
+export interface RdmaEndpoint {
+  readonly host: string;
+  readonly port: number;
+  readonly device: string;
+  readonly linkLayer: number;
+  readonly lid: number;
+  /** 32 hex characters. */
+  readonly gid: string;
+  readonly activeMtu: number;
+}
+
+export interface RemoteGrant {
+  readonly grant: 'mr';
+  readonly addr: bigint;
+  readonly length: number;
+  readonly rkey: number;
+}
+
+export interface QpAddress {
+  readonly qpn: number;
+  readonly psn: number;
+}
+
+export interface QpSetup {
+  readonly identity: NodeIdentity;
+  readonly linkLayer: number;
+  readonly lid: number;
+  readonly gid: string;
+  readonly activeMtu: number;
+  readonly initiatorDepth: number;
+  readonly responderResources: number;
+  readonly qps: readonly QpAddress[];
+}
+
+export type ControlMessage =
+  | { readonly type: 'hello'; readonly setup: QpSetup; readonly target: { readonly nodeId: string; readonly incarnation: string } }
+  | { readonly type: 'accept'; readonly setup: QpSetup }
+  | { readonly type: 'ready' }
+  | { readonly type: 'reject'; readonly code: string; readonly message: string }
+  | { readonly type: 'retire' }
+  | { readonly type: 'close' };
+
+const TYPE_CODES = { hello: 1, accept: 2, ready: 3, reject: 4, retire: 5, close: 6 } as const;
+
+function bad(what: string, field: string, message: string): never {
+  throw new InvalidInputError(`${what}: ${message}`, { details: { field } });
+}
+
+function magic(r: ByteReader, m: string, what: string): void {
+  for (let i = 0; i < m.length; i++) if (r.u8('magic') !== m.charCodeAt(i)) bad(what, 'magic', 'bad magic');
+  const v = r.u8('version');
+  if (v !== WIRE_VERSION) bad(what, 'version', `version ${v} is not supported (expected ${WIRE_VERSION})`);
+}
+
+function writeMagic(w: ByteWriter, m: string): void {
+  for (let i = 0; i < m.length; i++) w.u8(m.charCodeAt(i));
+  w.u8(WIRE_VERSION);
+}
+
+function gidBytes(gid: string, what: string): Uint8Array {
+  if (!/^[0-9a-f]{32}$/.test(gid)) bad(what, 'gid', 'GID must be 32 lowercase hex characters');
+  return new Uint8Array(Buffer.from(gid, 'hex'));
+}
+
+function readGid(r: ByteReader): string {
+  return Buffer.from(r.bytes(16, 'gid')).toString('hex');
+}
+
+function checkLinkLayer(v: number, what: string): void {
+  if (v !== 1 && v !== 2) bad(what, 'linkLayer', `link layer ${v} is neither InfiniBand (1) nor Ethernet (2)`);
+}
+
+function checkMtu(v: number, what: string): void {
+  if (!Number.isInteger(v) || v < 1 || v > 5) bad(what, 'activeMtu', `MTU ${v} is not an ibv_mtu (1..5)`);
+}
+
+function checkToken(v: string, field: string, what: string): void {
+  if (!TOKEN_RE.test(v)) bad(what, field, `${field} must be 1-64 characters of [A-Za-z0-9_-]`);
+}
+
+// ---------------------------------------------------------------------------- endpoint
+
+export function encodeEndpoint(e: RdmaEndpoint): Uint8Array {
+  const what = 'rdma endpoint';
+  if (e.host.length === 0) bad(what, 'host', 'host is empty');
+  if (!Number.isInteger(e.port) || e.port < 1 || e.port > 0xffff) bad(what, 'port', `port ${e.port} out of range`);
+  checkLinkLayer(e.linkLayer, what);
+  checkMtu(e.activeMtu, what);
+  if (!Number.isInteger(e.lid) || e.lid < 0 || e.lid > 0xffff) bad(what, 'lid', 'LID must be 16-bit');
+  const w = new ByteWriter(64);
+  writeMagic(w, 'RVE');
+  w.str8(e.host).u16(e.port).str8(e.device).u8(e.linkLayer).u16(e.lid).bytes(gidBytes(e.gid, what)).u8(e.activeMtu);
+  return w.finish();
+}
+
+export function decodeEndpoint(bytes: Uint8Array): RdmaEndpoint {
+  const what = 'rdma endpoint';
+  const r = new ByteReader(bytes, what);
+  magic(r, 'RVE', what);
+  const host = r.str8('host');
+  if (host.length === 0) bad(what, 'host', 'host is empty');
+  const port = r.u16('port');
+  if (port === 0) bad(what, 'port', 'port 0');
+  const device = r.str8('device');
+  const linkLayer = r.u8('linkLayer');
+  checkLinkLayer(linkLayer, what);
+  const lid = r.u16('lid');
+  const gid = readGid(r);
+  const activeMtu = r.u8('activeMtu');
+  checkMtu(activeMtu, what);
+  r.end();
+  return { host, port, device, linkLayer, lid, gid, activeMtu };
+}
+
+// ---------------------------------------------------------------------------- descriptor
+
+export const DESCRIPTOR_PAYLOAD_BYTES = 25;
+
+export function encodeGrant(g: RemoteGrant): Uint8Array {
+  const what = 'rdma descriptor';
+  if (!Number.isSafeInteger(g.length) || g.length <= 0) bad(what, 'length', 'length must be a positive safe integer');
+  if (!Number.isInteger(g.rkey) || g.rkey < 0 || g.rkey > 0xffffffff) bad(what, 'rkey', 'rkey must be 32-bit');
+  if (g.addr < 0n || g.addr + BigInt(g.length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
+  const w = new ByteWriter(DESCRIPTOR_PAYLOAD_BYTES);
+  writeMagic(w, 'RVD');
+  w.u8(0).u64(g.addr).u64(g.length).u32(g.rkey);
+  return w.finish();
+}
+
+/** Decode a peer's payload; `byteLength` is what the engine's envelope says and must match. */
+export function decodeGrant(bytes: Uint8Array, byteLength?: number): RemoteGrant {
+  const what = 'rdma descriptor';
+  const r = new ByteReader(bytes, what);
+  magic(r, 'RVD', what);
+  const kind = r.u8('grant');
+  if (kind !== 0) bad(what, 'grant', `grant kind ${kind} is not supported`);
+  const addr = r.u64('addr');
+  const length = r.safeU64('length');
+  if (length === 0) bad(what, 'length', 'length is 0');
+  if (addr + BigInt(length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
+  const rkey = r.u32('rkey');
+  r.end();
+  if (byteLength !== undefined && byteLength !== length) {
+    bad(what, 'length', `registration covers ${length} bytes but the descriptor claims ${byteLength}`);
+  }
+  return { grant: 'mr', addr, length, rkey };
+}
+
+// ---------------------------------------------------------------------------- control frames
+
+function writeSetup(w: ByteWriter, s: QpSetup, what: string): void {
+  assertOwner(s.identity.nodeId);
+  checkToken(s.identity.incarnation, 'incarnation', what);
+  checkToken(s.identity.hostId, 'hostId', what);
+  checkLinkLayer(s.linkLayer, what);
+  checkMtu(s.activeMtu, what);
+  if (s.qps.length < 1 || s.qps.length > MAX_QPS_PER_PEER) bad(what, 'qpCount', `1..${MAX_QPS_PER_PEER} queue pairs, got ${s.qps.length}`);
+  for (const [name, v] of [
+    ['initiatorDepth', s.initiatorDepth],
+    ['responderResources', s.responderResources],
+  ] as const) {
+    if (!Number.isInteger(v) || v < 1 || v > 255) bad(what, name, `${name} must be 1..255`);
+  }
+  w.str8(s.identity.nodeId).str8(s.identity.incarnation).str8(s.identity.hostId);
+  w.u8(s.linkLayer).u16(s.lid).bytes(gidBytes(s.gid, what)).u8(s.activeMtu).u8(s.initiatorDepth).u8(s.responderResources);
+  w.u8(s.qps.length);
+  for (const q of s.qps) {
+    if (!isU24(q.qpn) || !isU24(q.psn)) bad(what, 'qp', 'QPN and PSN are 24-bit');
+    w.u32(q.qpn).u32(q.psn);
+  }
+}
+
+function readSetup(r: ByteReader, what: string): QpSetup {
+  const nodeId = r.str8('nodeId');
+  try {
+    assertOwner(nodeId);
+  } catch {
+    bad(what, 'nodeId', 'node id is not a valid owner name');
+  }
+  const incarnation = r.str8('incarnation');
+  checkToken(incarnation, 'incarnation', what);
+  const hostId = r.str8('hostId');
+  checkToken(hostId, 'hostId', what);
+  const linkLayer = r.u8('linkLayer');
+  checkLinkLayer(linkLayer, what);
+  const lid = r.u16('lid');
+  const gid = readGid(r);
+  const activeMtu = r.u8('activeMtu');
+  checkMtu(activeMtu, what);
+  const initiatorDepth = r.u8('initiatorDepth');
+  const responderResources = r.u8('responderResources');
+  if (initiatorDepth === 0 || responderResources === 0) bad(what, 'rdAtomic', 'READ depths must be at least 1');
+  const count = r.u8('qpCount');
+  if (count < 1 || count > MAX_QPS_PER_PEER) bad(what, 'qpCount', `1..${MAX_QPS_PER_PEER} queue pairs, got ${count}`);
+  const qps: QpAddress[] = [];
+  for (let i = 0; i < count; i++) {
+    const qpn = r.u32('qpn');
+    const psn = r.u32('psn');
+    if (!isU24(qpn) || !isU24(psn)) bad(what, 'qp', 'QPN and PSN are 24-bit');
+    qps.push({ qpn, psn });
+  }
+  return { identity: { nodeId, incarnation, hostId }, linkLayer, lid, gid, activeMtu, initiatorDepth, responderResources, qps };
+}
+
+/** Encode one message as a complete frame (length prefix included). */
+export function encodeFrame(m: ControlMessage): Uint8Array {
+  const what = `rdma ${m.type} message`;
+  const w = new ByteWriter(128);
+  w.u8(TYPE_CODES[m.type]);
+  switch (m.type) {
+    case 'hello':
+      writeMagic(w, 'RVH');
+      writeSetup(w, m.setup, what);
+      assertOwner(m.target.nodeId);
+      checkToken(m.target.incarnation, 'targetIncarnation', what);
+      w.str8(m.target.nodeId).str8(m.target.incarnation);
+      break;
+    case 'accept':
+      writeMagic(w, 'RVH');
+      writeSetup(w, m.setup, what);
+      break;
+    case 'reject':
+      w.str8(m.code.slice(0, 64)).blob16(new TextEncoder().encode(m.message.slice(0, 1000)));
+      break;
+    default:
+      break;
+  }
+  const body = w.finish();
+  if (body.length > MAX_FRAME) bad(what, 'length', 'message exceeds the frame limit');
+  return new ByteWriter(body.length + 4).blob32(body).finish();
+}
+
+/** Decode a frame body (without its length prefix). */
+export function decodeMessage(body: Uint8Array): ControlMessage {
+  const r = new ByteReader(body, 'rdma control message');
+  const type = r.u8('type');
+  let m: ControlMessage;
+  switch (type) {
+    case 1: {
+      const what = 'rdma hello message';
+      magic(r, 'RVH', what);
+      const setup = readSetup(r, what);
+      const nodeId = r.str8('targetNodeId');
+      try {
+        assertOwner(nodeId);
+      } catch {
+        bad(what, 'targetNodeId', 'target node id is not a valid owner name');
+      }
+      const incarnation = r.str8('targetIncarnation');
+      checkToken(incarnation, 'targetIncarnation', what);
+      m = { type: 'hello', setup, target: { nodeId, incarnation } };
+      break;
+    }
+    case 2:
+      magic(r, 'RVH', 'rdma accept message');
+      m = { type: 'accept', setup: readSetup(r, 'rdma accept message') };
+      break;
+    case 3:
+      m = { type: 'ready' };
+      break;
+    case 4: {
+      const code = r.str8('code');
+      let message: string;
+      try {
+        message = new TextDecoder('utf-8', { fatal: true }).decode(r.blob16('message'));
+      } catch (e) {
+        if (e instanceof InvalidInputError) throw e;
+        bad('rdma reject message', 'message', 'message is not UTF-8');
+      }
+      m = { type: 'reject', code, message };
+      break;
+    }
+    case 5:
+      m = { type: 'retire' };
+      break;
+    case 6:
+      m = { type: 'close' };
+      break;
+    default:
+      bad('rdma control message', 'type', `unknown message type ${type}`);
+  }
+  r.end();
+  return m;
+}
+
+/**
+ * Splits a byte stream into frames. `push` returns the complete messages so far and throws
+ * InvalidInputError on an oversized or malformed frame (the caller drops the socket).
+ */
+export class FrameReader {
+  #buf: Buffer = Buffer.alloc(0);
+  push(chunk: Uint8Array): ControlMessage[] {
+    this.#buf = this.#buf.length === 0 ? Buffer.from(chunk) : Buffer.concat([this.#buf, chunk]);
+    const out: ControlMessage[] = [];
+    for (;;) {
+      if (this.#buf.length < 4) break;
+      const len = this.#buf.readUInt32BE(0);
+      if (len === 0 || len > MAX_FRAME) bad('rdma control frame', 'length', `frame of ${len} bytes (limit ${MAX_FRAME})`);
+      if (this.#buf.length < 4 + len) break;
+      const body = new Uint8Array(this.#buf.subarray(4, 4 + len));
+      this.#buf = this.#buf.subarray(4 + len);
+      out.push(decodeMessage(body));
+    }
+    return out;
+  }
+  get buffered(): number {
+    return this.#buf.length;
+  }
+}
