@@ -95,17 +95,24 @@ export function spawnWorker(name: string, args: readonly string[] = [], env: Nod
       if (i >= 0) return Promise.resolve(inbox.splice(i, 1)[0] as T);
       if (exitInfo) return Promise.reject(new BenchError(`worker ${name} has exited`));
       return new Promise<T>((resolve, reject) => {
-        const w = { match, resolve: resolve as (m: Record<string, unknown>) => void, reject };
-        waiters.push(w);
-        signal?.addEventListener(
-          'abort',
-          () => {
-            const j = waiters.indexOf(w);
-            if (j >= 0) waiters.splice(j, 1);
-            reject(new BenchError('aborted'));
+        const onAbort = (): void => {
+          const j = waiters.indexOf(w);
+          if (j >= 0) waiters.splice(j, 1);
+          reject(new BenchError('aborted'));
+        };
+        const w = {
+          match,
+          resolve: (m: Record<string, unknown>) => {
+            signal?.removeEventListener('abort', onAbort);
+            resolve(m as T);
           },
-          { once: true },
-        );
+          reject: (e: Error) => {
+            signal?.removeEventListener('abort', onAbort);
+            reject(e);
+          },
+        };
+        waiters.push(w);
+        signal?.addEventListener('abort', onAbort, { once: true });
       });
     },
     kill() {

@@ -1,13 +1,15 @@
 import type { Scenario } from '../types.js';
+import { locks } from './locks.js';
 import { rdma } from './rdma.js';
+import { runScenario } from './run.js';
 import { tcp } from './tcp.js';
 
 export type ScenarioName = 'run' | 'tcp' | 'pool' | 'locks' | 'rdma';
 
 export const SCENARIOS: Record<ScenarioName, Scenario> = {
   tcp,
-  run: tcp,
+  run: (ctx) => runScenario(ctx),
   pool: tcp,
-  locks: tcp,
+  locks,
   rdma,
 };

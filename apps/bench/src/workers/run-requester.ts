@@ -1,0 +1,21 @@
+/** Child process: the requester of `run`. argv: lockAddress blocks blockBytes blocksPerFetch durationMs lanes */
+import { runFetcher } from '../fetcher.js';
+import { workerInit } from '../proc.js';
+
+const ipc = workerInit();
+const [lockAddress, blocks, blockBytes, blocksPerFetch, durationMs, lanes] = process.argv.slice(2);
+try {
+  const result = await runFetcher({
+    lockAddress: lockAddress as string,
+    blocks: Number(blocks),
+    blockBytes: Number(blockBytes),
+    blocksPerFetch: Number(blocksPerFetch),
+    durationMs: Number(durationMs),
+    lanes: Number(lanes),
+    onProgress: (done, total) => ipc.send({ type: 'progress', done, total }),
+  });
+  ipc.send({ type: 'result', result });
+} catch (e) {
+  ipc.send({ type: 'error', message: e instanceof Error ? e.message : String(e) });
+}
+process.disconnect?.();

@@ -1,0 +1,762 @@
+/**
+ * The requester side: {@link LockClient.acquire} resolves to a {@link LockGuard} that is
+ * released exactly once on every exit path:
+ *
+ * - `await using` scope ends (completion or a thrown error) → `[Symbol.asyncDispose]`;
+ * - explicit `release()` (later disposal is a no-op);
+ * - an acquire aborted, timed out or broken while in flight → one release by acquire id,
+ *   which frees the grant even if the response never arrived (and makes a late-arriving
+ *   acquire fail at the holder);
+ * - a guard dropped without disposal → released by a finalizer when it is collected;
+ * - `client.close()` → every live guard is released.
+ *
+ * A failed release is retried with backoff until the lease would have expired anyway,
+ * then reported through the `releaseFailed` event and the `release_failures_total`
+ * metric. Release never throws.
+ */
+import { randomBytes } from 'node:crypto';
+import { EventEmitter } from 'node:events';
+import * as grpc from '@grpc/grpc-js';
+import {
+  AbortedError,
+  ClosedError,
+  InvalidInputError,
+  RemoteRejectedError,
+  TimedOutError,
+  errorFromSignal,
+  idProblem,
+  ownerProblem,
+  silentLogger,
+  type Logger,
+  type TensorwireError,
+} from '@tensorwire/core';
+import { Registry } from 'prom-client';
+import { fromGrpcError, isPermanentReleaseFailure } from './errors.js';
+import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type LockClientCounters } from './metrics.js';
+import {
+  AUTH_METADATA_KEY,
+  loadLockProtocol,
+  type AcquireResponseMsg,
+  type HealthResponseMsg,
+  type LockServiceClient,
+  type ReleaseResponseMsg,
+} from './proto.js';
+
+export interface ReleaseRetryOptions {
+  /** First delay after a failed release (ms, default 50). */
+  readonly initialDelayMs?: number;
+  /** Longest delay between attempts (ms, default 2000). */
+  readonly maxDelayMs?: number;
+}
+
+export interface LockClientOptions {
+  /** This requester's id (an owner name, `[A-Za-z0-9][A-Za-z0-9_-]{0,63}`). Default: random per client. */
+  readonly requesterId?: string;
+  /** Shared token sent as `authorization: Bearer <token>`. */
+  readonly token?: string;
+  /** Channel credentials, e.g. `grpc.credentials.createSsl(ca)`. Default: insecure. */
+  readonly credentials?: grpc.ChannelCredentials;
+  readonly channelOptions?: grpc.ChannelOptions;
+  /** Where to register metrics (default: a private Registry, see `registry`). */
+  readonly registry?: Registry;
+  /** Metric name prefix (default `tensorwire_lock_client_`). */
+  readonly metricsPrefix?: string;
+  readonly logger?: Logger;
+  /** Deadline for acquire, renew and health calls without their own `timeoutMs` (ms, default 10000). */
+  readonly defaultTimeoutMs?: number;
+  /** Deadline of one release attempt (ms, default 5000). */
+  readonly releaseTimeoutMs?: number;
+  readonly releaseRetry?: ReleaseRetryOptions;
+  /**
+   * How much of the lease to keep in reserve: the transfer budget is the lease minus this.
+   * A number (ms) or a function of the lease (ms). Default: 10% of the lease, at least
+   * 100 ms, at most half the lease.
+   */
+  readonly safetyMarginMs?: number | ((leaseMs: number) => number);
+  /** Lease length assumed for a holder whose lock timeout is not known yet, to bound release retries (ms, default 30000). */
+  readonly assumedLockTimeoutMs?: number;
+  /** How long `close()` waits for releases in flight (ms, default 5000). */
+  readonly closeTimeoutMs?: number;
+}
+
+export interface CallOptions {
+  readonly signal?: AbortSignal;
+  /** Deadline for the call (ms). */
+  readonly timeoutMs?: number;
+}
+
+export interface AutoRenewOptions {
+  /** Renew this often (ms). Default: half the lease. */
+  readonly everyMs?: number;
+}
+
+export interface AcquireOptions extends CallOptions {
+  /** Lease to ask for (ms); the holder caps it at its lock timeout. Default: the lock timeout. */
+  readonly leaseMs?: number;
+  /** Renew automatically while the guard is live (for long transfers). */
+  readonly autoRenew?: boolean | AutoRenewOptions;
+}
+
+export interface RenewOptions extends CallOptions {
+  /** New lease from now (ms). Default: the lease granted last time. */
+  readonly leaseMs?: number;
+}
+
+/** How a release ended. Never thrown: read it, or listen to `releaseFailed`. */
+export interface ReleaseResult {
+  /** The holder answered (`blocksReleased` is then its count; 0 if the lease was already gone). */
+  readonly confirmed: boolean;
+  readonly blocksReleased: number;
+  /** Release RPCs sent. */
+  readonly attempts: number;
+  /** The last error, when not confirmed. */
+  readonly error?: TensorwireError;
+}
+
+/** Payload of the `releaseFailed` and `releaseRetry` events. */
+export interface ReleaseFailure {
+  readonly holder: string;
+  /** The session, or undefined for an acquire released by its acquire id. */
+  readonly sessionId: string | undefined;
+  readonly acquireId: string | undefined;
+  readonly attempts: number;
+  readonly error: TensorwireError;
+  /** For `releaseRetry`: the wait before the next attempt (ms). */
+  readonly delayMs?: number;
+}
+
+export interface LeaseLost {
+  readonly holder: string;
+  readonly sessionId: string;
+  readonly error: TensorwireError;
+}
+
+export interface LockClientEvents {
+  releaseFailed: [ReleaseFailure];
+  releaseRetry: [ReleaseFailure];
+  leaseLost: [LeaseLost];
+  guardLeaked: [{ readonly holder: string; readonly sessionId: string }];
+}
+
+export type GuardState = 'active' | 'expired' | 'lost' | 'releasing' | 'released';
+
+export type { LockClientCounters } from './metrics.js';
+
+/** Unix-epoch milliseconds from a monotonic source. */
+function now(): number {
+  return performance.timeOrigin + performance.now();
+}
+
+const TOKEN_BYTES = 12;
+let tokenPool = Buffer.alloc(0);
+let tokenOffset = 0;
+/** 96 random bits, base64url; drawn from a pooled buffer to keep the hot path cheap. */
+function randomToken(): string {
+  if (tokenOffset + TOKEN_BYTES > tokenPool.length) {
+    tokenPool = randomBytes(TOKEN_BYTES * 256);
+    tokenOffset = 0;
+  }
+  const s = tokenPool.toString('base64url', tokenOffset, tokenOffset + TOKEN_BYTES);
+  tokenOffset += TOKEN_BYTES;
+  return s;
+}
+
+function defaultMargin(leaseMs: number): number {
+  return Math.min(leaseMs / 2, Math.max(100, leaseMs * 0.1));
+}
+
+function sleep(ms: number, signal: AbortSignal): Promise<void> {
+  return new Promise((resolve) => {
+    if (signal.aborted) return resolve();
+    const t = setTimeout(done, ms);
+    t.unref();
+    function done(): void {
+      clearTimeout(t);
+      signal.removeEventListener('abort', done);
+      resolve();
+    }
+    signal.addEventListener('abort', done, { once: true });
+  });
+}
+
+/** Failures after which the holder may still have granted the acquire. */
+function mayHaveGranted(error: TensorwireError): boolean {
+  const code = error.details['grpcCode'];
+  if (typeof code !== 'number') return true; // our abort, a close, a transport failure
+  return (
+    code === grpc.status.DEADLINE_EXCEEDED ||
+    code === grpc.status.UNAVAILABLE ||
+    code === grpc.status.CANCELLED ||
+    code === grpc.status.UNKNOWN ||
+    code === grpc.status.INTERNAL
+  );
+}
+
+/** Everything about a lease, held by the client; deliberately holds no reference to its guard. */
+interface LeaseRecord {
+  readonly holder: string;
+  readonly holderId: string;
+  readonly sessionId: string;
+  readonly blockIds: readonly string[];
+  readonly lockTimeoutMs: number;
+  readonly descriptors: ReadonlyMap<string, readonly Uint8Array[]>;
+  /** Created on first use of `guard.signal` (most cycles never look at it). */
+  controller: AbortController | undefined;
+  /** Why the lease ended, once it has: the reason `signal` carries. */
+  endReason: (() => unknown) | undefined;
+  leaseMs: number;
+  marginMs: number;
+  deadline: number;
+  state: 'active' | 'lost' | 'releasing' | 'released';
+  budgetTimer: NodeJS.Timeout | undefined;
+  renewTimer: NodeJS.Timeout | undefined;
+  autoRenewEveryMs: number | undefined;
+  releasing: Promise<ReleaseResult> | undefined;
+}
+
+/**
+ * A live lease on a holder's blocks. Dispose it (`await using`) or call `release()`; both
+ * release exactly once and never throw.
+ */
+export class LockGuard implements AsyncDisposable {
+  readonly #r: LeaseRecord;
+  readonly #client: LockClient;
+  readonly #ops: ClientOps;
+
+  /** @internal Created by {@link LockClient.acquire}. */
+  constructor(record: LeaseRecord, client: LockClient, ops: ClientOps) {
+    this.#r = record;
+    this.#client = client;
+    this.#ops = ops;
+  }
+
+  /** `session:<holderId>:<random>`. */
+  get sessionId(): string {
+    return this.#r.sessionId;
+  }
+  /** The holder's address. */
+  get holder(): string {
+    return this.#r.holder;
+  }
+  /** The holder's id (owner of the session id). */
+  get holderId(): string {
+    return this.#r.holderId;
+  }
+  get blockIds(): readonly string[] {
+    return this.#r.blockIds;
+  }
+  /** The holder's lock timeout: the longest lease it grants (ms). */
+  get lockTimeoutMs(): number {
+    return this.#r.lockTimeoutMs;
+  }
+  /** The lease granted last (ms). */
+  get leaseMs(): number {
+    return this.#r.leaseMs;
+  }
+  /**
+   * When the lease ends unless renewed: Unix-epoch ms on this process's clock, counted
+   * from when the request was sent (so never later than the holder's own deadline).
+   */
+  get deadline(): number {
+    return this.#r.deadline;
+  }
+  /** The reserve kept between the end of transfers and the end of the lease (ms). */
+  get safetyMarginMs(): number {
+    return this.#r.marginMs;
+  }
+  /** Transfers must be done by this time (deadline minus the safety margin). */
+  get transferDeadline(): number {
+    return this.#r.deadline - this.#r.marginMs;
+  }
+  /** The transfer budget left now (ms, ≥ 0): time until `transferDeadline`. */
+  get budgetMs(): number {
+    return Math.max(0, this.transferDeadline - now());
+  }
+  /** Per block, the holder's opaque transfer descriptors for this lease. */
+  get descriptors(): ReadonlyMap<string, readonly Uint8Array[]> {
+    return this.#r.descriptors;
+  }
+  /** The descriptors of one block (empty when the holder has none). */
+  descriptorsFor(blockId: string): readonly Uint8Array[] {
+    return this.#r.descriptors.get(blockId) ?? [];
+  }
+  /**
+   * Fires when transfers under this lease must stop: the transfer budget ran out
+   * (TimedOutError), the lease was lost (RemoteRejectedError), or it was released or its
+   * client closed (AbortedError / ClosedError). Pass it to every transfer.
+   */
+  get signal(): AbortSignal {
+    return this.#ops.signal(this.#r);
+  }
+  get state(): GuardState {
+    const s = this.#r.state;
+    if (s === 'active' && now() >= this.#r.deadline) return 'expired';
+    return s;
+  }
+  /** Whether `release()` (or disposal) has started. */
+  get released(): boolean {
+    return this.#r.state === 'releasing' || this.#r.state === 'released';
+  }
+
+  /**
+   * Extend the lease to now + `leaseMs` (default: the lease granted last). Resolves to the
+   * new deadline. A renew the holder refuses as NOT_FOUND marks the lease lost and fires
+   * `signal`. Once `signal` has fired it stays fired; renew before the budget runs out.
+   */
+  renew(options: RenewOptions = {}): Promise<number> {
+    return this.#ops.renew(this.#r, options);
+  }
+
+  /** Release the lease (idempotent: every call returns the same result). Never rejects. */
+  release(): Promise<ReleaseResult> {
+    return this.#ops.release(this.#r);
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.release();
+  }
+
+  /** The client this guard came from. */
+  get client(): LockClient {
+    return this.#client;
+  }
+}
+
+/** Internal operations the guard calls on its client. */
+interface ClientOps {
+  signal(record: LeaseRecord): AbortSignal;
+  renew(record: LeaseRecord, options: RenewOptions): Promise<number>;
+  release(record: LeaseRecord): Promise<ReleaseResult>;
+}
+
+/**
+ * Acquires transfer locks on holders over gRPC. One client per process is typical; it
+ * keeps one channel per holder address.
+ */
+export class LockClient extends EventEmitter<LockClientEvents> implements AsyncDisposable {
+  readonly requesterId: string;
+  /** The registry the metrics are on (the one passed in, or a private one). */
+  readonly registry: Registry;
+  readonly #opts: LockClientOptions;
+  readonly #logger: Logger;
+  readonly #credentials: grpc.ChannelCredentials;
+  readonly #metadata: grpc.Metadata;
+  readonly #channels = new Map<string, LockServiceClient>();
+  readonly #records = new Set<LeaseRecord>();
+  readonly #pending = new Set<Promise<unknown>>();
+  /** Cancels for acquires in flight (close abandons them). */
+  readonly #inflight = new Set<(error: TensorwireError) => void>();
+  readonly #lockTimeouts = new Map<string, number>();
+  readonly #closeController = new AbortController();
+  readonly #finalizer: FinalizationRegistry<LeaseRecord>;
+  readonly #unregisterMetrics: () => void;
+  readonly #ops: ClientOps;
+  #closing: Promise<void> | undefined;
+  #isClosing = false;
+  #acquired = 0;
+  #released = 0;
+  #releaseFailures = 0;
+  #releaseRetries = 0;
+  #abandoned = 0;
+  #leaked = 0;
+
+  constructor(options: LockClientOptions = {}) {
+    super();
+    this.#opts = options;
+    this.#logger = options.logger ?? silentLogger;
+    const requesterId = options.requesterId ?? `r${process.pid}-${randomBytes(6).toString('base64url')}`;
+    const problem = ownerProblem(requesterId);
+    if (problem !== undefined) throw new InvalidInputError(`requesterId: ${problem}`, { details: { field: 'requesterId' } });
+    this.requesterId = requesterId;
+    if (options.token !== undefined && options.token.length === 0) throw new InvalidInputError('token must not be empty');
+    this.#credentials = options.credentials ?? grpc.credentials.createInsecure();
+    this.#metadata = new grpc.Metadata();
+    if (options.token !== undefined) this.#metadata.set(AUTH_METADATA_KEY, `Bearer ${options.token}`);
+    this.registry = options.registry ?? new Registry();
+    this.#unregisterMetrics = registerClientMetrics(this.registry, options.metricsPrefix ?? DEFAULT_CLIENT_METRICS_PREFIX, () => this.counters());
+    this.#finalizer = new FinalizationRegistry((record) => this.#onGuardCollected(record));
+    this.#ops = {
+      signal: (r) => this.#signal(r),
+      renew: (r, o) => this.#renew(r, o),
+      release: (r) => this.#release(r),
+    };
+  }
+
+  /** Requester-side counters: `acquired = released + releaseFailures + active`. */
+  counters(): LockClientCounters {
+    return {
+      acquired: this.#acquired,
+      released: this.#released,
+      releaseFailures: this.#releaseFailures,
+      active: this.#acquired - this.#released - this.#releaseFailures,
+      releaseRetries: this.#releaseRetries,
+      abandonedAcquires: this.#abandoned,
+      leakedGuards: this.#leaked,
+    };
+  }
+
+  get closed(): boolean {
+    return this.#isClosing;
+  }
+
+  #channel(holder: string): LockServiceClient {
+    let c = this.#channels.get(holder);
+    if (c === undefined) {
+      const { Client } = loadLockProtocol();
+      c = new Client(holder, this.#credentials, this.#opts.channelOptions);
+      this.#channels.set(holder, c);
+    }
+    return c;
+  }
+
+  #timeout(options: CallOptions): number {
+    const t = options.timeoutMs ?? this.#opts.defaultTimeoutMs ?? 10_000;
+    if (!Number.isFinite(t) || t <= 0) throw new InvalidInputError(`timeoutMs must be a positive number, got ${t}`, { details: { field: 'timeoutMs' } });
+    return t;
+  }
+
+  /** One unary call: deadline, abort, typed errors. */
+  #call<Res>(
+    holder: string,
+    what: string,
+    invoke: (c: LockServiceClient, md: grpc.Metadata, opts: grpc.CallOptions, cb: (e: grpc.ServiceError | null, r?: Res) => void) => grpc.ClientUnaryCall,
+    timeoutMs: number,
+    signal: AbortSignal | undefined,
+    cancelOnClose = false,
+  ): Promise<Res> {
+    return new Promise<Res>((resolve, reject) => {
+      let settled = false;
+      const cancel = (error: TensorwireError): void => {
+        if (settled) return;
+        settled = true;
+        signal?.removeEventListener('abort', onAbort);
+        if (cancelOnClose) this.#inflight.delete(cancel);
+        call.cancel();
+        reject(error);
+      };
+      const onAbort = (): void => cancel(errorFromSignal(signal as AbortSignal, what));
+      const call = invoke(this.#channel(holder), this.#metadata.clone(), { deadline: Date.now() + timeoutMs }, (err, res) => {
+        signal?.removeEventListener('abort', onAbort);
+        if (cancelOnClose) this.#inflight.delete(cancel);
+        if (settled) return;
+        settled = true;
+        if (err || res === undefined) reject(fromGrpcError(err, what, { holder }));
+        else resolve(res);
+      });
+      signal?.addEventListener('abort', onAbort, { once: true });
+      if (cancelOnClose) this.#inflight.add(cancel);
+    });
+  }
+
+  /**
+   * Pin `blockIds` on `holder` (`host:port`) under a lease. Resolves to a guard; use it as
+   * `await using lock = await client.acquire(holder, blocks)`. Rejects with typed errors
+   * (InvalidInputError, ResourceExhaustedError, RemoteRejectedError, ConnectionBrokenError,
+   * TimedOutError, AbortedError, ClosedError). If the call is abandoned after it may have
+   * reached the holder, the possible grant is released at once.
+   */
+  async acquire(holder: string, blockIds: readonly string[], options: AcquireOptions = {}): Promise<LockGuard> {
+    if (this.#isClosing) throw new ClosedError('lock client is closed');
+    if (typeof holder !== 'string' || holder.length === 0) throw new InvalidInputError('holder address is empty', { details: { field: 'holder' } });
+    if (!Array.isArray(blockIds) || blockIds.length === 0) throw new InvalidInputError('block list is empty', { details: { field: 'blockIds' } });
+    const seen = new Set<string>();
+    for (const id of blockIds) {
+      const problem = idProblem(id, 'block');
+      if (problem !== undefined) throw new InvalidInputError(`block id: ${problem}`, { details: { field: 'blockIds' } });
+      if (seen.has(id)) throw new InvalidInputError(`block id ${JSON.stringify(id)} appears twice`, { details: { field: 'blockIds' } });
+      seen.add(id);
+    }
+    const leaseMs = options.leaseMs ?? 0;
+    if (!Number.isFinite(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) {
+      throw new InvalidInputError(`leaseMs must be between 0 and 2^32-1, got ${leaseMs}`, { details: { field: 'leaseMs' } });
+    }
+    const timeoutMs = this.#timeout(options);
+    const signal = options.signal;
+    if (signal?.aborted) throw errorFromSignal(signal, 'acquire');
+
+    const acquireId = randomToken();
+    const sentAt = now();
+    let res: AcquireResponseMsg;
+    try {
+      res = await this.#call<AcquireResponseMsg>(
+        holder,
+        'acquire',
+        (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: [...blockIds], leaseMs: Math.floor(leaseMs), acquireId }, md, o, cb),
+        timeoutMs,
+        signal,
+        true,
+      );
+    } catch (e) {
+      const error = e as TensorwireError;
+      if (mayHaveGranted(error)) {
+        this.#abandoned++;
+        const giveUpAt = sentAt + (leaseMs || this.#lockTimeouts.get(holder) || this.#opts.assumedLockTimeoutMs || 30_000);
+        this.#track(this.#releaseWithRetry(holder, { acquireId }, giveUpAt));
+      }
+      throw error;
+    }
+
+    const descriptors = new Map<string, readonly Uint8Array[]>();
+    for (const b of res.blocks) descriptors.set(b.blockId, b.descriptors);
+    this.#lockTimeouts.set(holder, res.lockTimeoutMs);
+    const marginOpt = this.#opts.safetyMarginMs;
+    const record: LeaseRecord = {
+      holder,
+      holderId: res.holderId,
+      sessionId: res.sessionId,
+      blockIds: Object.freeze([...blockIds]),
+      lockTimeoutMs: res.lockTimeoutMs,
+      descriptors,
+      controller: undefined,
+      endReason: undefined,
+      leaseMs: res.leaseMs,
+      marginMs: 0,
+      deadline: sentAt + res.leaseMs,
+      state: 'active',
+      budgetTimer: undefined,
+      renewTimer: undefined,
+      autoRenewEveryMs: undefined,
+      releasing: undefined,
+    };
+    this.#acquired++;
+    this.#records.add(record);
+    const guard = new LockGuard(record, this, this.#ops);
+    this.#finalizer.register(guard, record, record);
+    if (this.#isClosing) {
+      // Closed while the response was on its way: hand back nothing live.
+      void this.#release(record);
+      throw new ClosedError('lock client closed during acquire');
+    }
+    record.marginMs = this.#margin(marginOpt, record.leaseMs);
+    this.#armBudget(record);
+    if (options.autoRenew) {
+      const every = typeof options.autoRenew === 'object' ? options.autoRenew.everyMs : undefined;
+      record.autoRenewEveryMs = every ?? Math.max(1, Math.floor(record.leaseMs / 2));
+      this.#armRenew(record, record.autoRenewEveryMs);
+    }
+    return guard;
+  }
+
+  #margin(opt: LockClientOptions['safetyMarginMs'], leaseMs: number): number {
+    const m = typeof opt === 'function' ? opt(leaseMs) : (opt ?? defaultMargin(leaseMs));
+    return Math.min(leaseMs, Math.max(0, Number.isFinite(m) ? m : 0));
+  }
+
+  /** The guard's signal: made on first use, aborted at once if the lease already ended. */
+  #signal(r: LeaseRecord): AbortSignal {
+    if (r.controller === undefined) {
+      r.controller = new AbortController();
+      if (r.endReason !== undefined) r.controller.abort(r.endReason());
+      else this.#armBudget(r);
+    }
+    return r.controller.signal;
+  }
+
+  /** End the guard's signal (now, or when it is first read). */
+  #endSignal(r: LeaseRecord, reason: () => unknown): void {
+    if (r.endReason !== undefined) return;
+    r.endReason = reason;
+    if (r.controller !== undefined && !r.controller.signal.aborted) r.controller.abort(reason());
+  }
+
+  #armBudget(r: LeaseRecord): void {
+    if (r.budgetTimer) clearTimeout(r.budgetTimer);
+    r.budgetTimer = undefined;
+    if (r.controller === undefined || r.endReason !== undefined) return;
+    const ms = r.deadline - r.marginMs - now();
+    const fire = (): void => {
+      r.budgetTimer = undefined;
+      // Fire only if a renew did not move the deadline meanwhile.
+      if (now() >= r.deadline - r.marginMs) {
+        const sessionId = r.sessionId;
+        r.controller?.abort(new TimedOutError(`transfer budget of lease ${sessionId} is used up`));
+      } else this.#armBudget(r);
+    };
+    if (ms <= 0) fire();
+    else {
+      r.budgetTimer = setTimeout(fire, ms);
+      r.budgetTimer.unref();
+    }
+  }
+
+  #armRenew(r: LeaseRecord, ms: number): void {
+    if (r.renewTimer) clearTimeout(r.renewTimer);
+    r.renewTimer = setTimeout(() => {
+      r.renewTimer = undefined;
+      if (r.state !== 'active') return;
+      this.#renew(r, {}).then(
+        () => {
+          if (r.state === 'active' && r.autoRenewEveryMs !== undefined) this.#armRenew(r, r.autoRenewEveryMs);
+        },
+        (e: unknown) => {
+          if (r.state !== 'active') return;
+          // Transient failure: try again soon while the budget lasts.
+          const left = r.deadline - r.marginMs - now();
+          this.#logger.warn('lock: auto-renew failed', { sessionId: r.sessionId, error: String(e), leftMs: left });
+          if (left > 0) this.#armRenew(r, Math.max(1, Math.min(1000, left / 4)));
+        },
+      );
+    }, ms);
+    r.renewTimer.unref();
+  }
+
+  async #renew(r: LeaseRecord, options: RenewOptions): Promise<number> {
+    if (r.state === 'releasing' || r.state === 'released') throw new ClosedError(`lease ${r.sessionId} was released`);
+    if (r.state === 'lost') throw new RemoteRejectedError(`lease ${r.sessionId} was lost`, { details: { remoteCode: 'NOT_FOUND' } });
+    const leaseMs = options.leaseMs ?? r.leaseMs;
+    if (!Number.isFinite(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) throw new InvalidInputError(`leaseMs out of range: ${leaseMs}`);
+    const sentAt = now();
+    try {
+      const res = await this.#call<{ deadlineUnixMs: number; leaseMs: number }>(
+        r.holder,
+        'renew',
+        (c, md, o, cb) => c.Renew({ requesterId: this.requesterId, sessionId: r.sessionId, leaseMs: Math.floor(leaseMs) }, md, o, cb),
+        this.#timeout(options),
+        options.signal,
+      );
+      if (r.state === 'active') {
+        r.leaseMs = res.leaseMs;
+        r.deadline = Math.max(r.deadline, sentAt + res.leaseMs);
+        this.#armBudget(r);
+      }
+      return r.deadline;
+    } catch (e) {
+      const error = e as TensorwireError;
+      const code = error.details['grpcCode'];
+      if ((code === grpc.status.NOT_FOUND || code === grpc.status.PERMISSION_DENIED) && r.state === 'active') {
+        r.state = 'lost';
+        this.#stopTimers(r);
+        this.#endSignal(r, () => error);
+        this.emit('leaseLost', { holder: r.holder, sessionId: r.sessionId, error });
+      }
+      throw error;
+    }
+  }
+
+  #stopTimers(r: LeaseRecord): void {
+    if (r.budgetTimer) clearTimeout(r.budgetTimer);
+    if (r.renewTimer) clearTimeout(r.renewTimer);
+    r.budgetTimer = undefined;
+    r.renewTimer = undefined;
+    r.autoRenewEveryMs = undefined;
+  }
+
+  #release(r: LeaseRecord): Promise<ReleaseResult> {
+    if (r.releasing) return r.releasing;
+    r.state = 'releasing';
+    this.#stopTimers(r);
+    this.#finalizer.unregister(r);
+    const closing = this.#isClosing;
+    this.#endSignal(r, () => (closing ? new ClosedError('lock client closed') : new AbortedError(`lease ${r.sessionId} released`)));
+    // Retry until the lease would have expired at the holder anyway (its deadline there is
+    // never earlier than ours), and at least once.
+    const p = this.#releaseWithRetry(r.holder, { sessionId: r.sessionId }, r.deadline).then((result) => {
+      r.state = 'released';
+      this.#records.delete(r);
+      if (result.confirmed) this.#released++;
+      else this.#releaseFailures++;
+      return result;
+    });
+    r.releasing = p;
+    this.#track(p);
+    return p;
+  }
+
+  #track(p: Promise<unknown>): void {
+    this.#pending.add(p);
+    void p.finally(() => this.#pending.delete(p));
+  }
+
+  async #releaseWithRetry(holder: string, target: { sessionId?: string; acquireId?: string }, giveUpAt: number): Promise<ReleaseResult> {
+    const retry = this.#opts.releaseRetry ?? {};
+    let delay = retry.initialDelayMs ?? 50;
+    const maxDelay = retry.maxDelayMs ?? 2000;
+    const perAttempt = this.#opts.releaseTimeoutMs ?? 5000;
+    let attempts = 0;
+    for (;;) {
+      attempts++;
+      let error: TensorwireError;
+      try {
+        const res = await this.#call<ReleaseResponseMsg>(
+          holder,
+          'release',
+          (c, md, o, cb) =>
+            c.Release({ requesterId: this.requesterId, sessionId: target.sessionId ?? '', acquireId: target.acquireId ?? '' }, md, o, cb),
+          perAttempt,
+          undefined,
+        );
+        return { confirmed: true, blocksReleased: res.released, attempts };
+      } catch (e) {
+        error = e as TensorwireError;
+      }
+      const info = { holder, sessionId: target.sessionId, acquireId: target.acquireId, attempts, error };
+      const wait = Math.min(maxDelay, delay) * (0.75 + Math.random() * 0.5);
+      if (isPermanentReleaseFailure(error) || this.#closeController.signal.aborted || now() + wait >= giveUpAt) {
+        this.#logger.warn('lock: release failed; the holder will expire the lease', {
+          holder,
+          sessionId: target.sessionId,
+          acquireId: target.acquireId,
+          attempts,
+          error: error.message,
+        });
+        this.emit('releaseFailed', info);
+        return { confirmed: false, blocksReleased: 0, attempts, error };
+      }
+      this.#releaseRetries++;
+      this.emit('releaseRetry', { ...info, delayMs: wait });
+      await sleep(wait, this.#closeController.signal);
+      delay = Math.min(maxDelay, delay * 2);
+    }
+  }
+
+  #onGuardCollected(r: LeaseRecord): void {
+    if (r.releasing || r.state === 'released') return;
+    this.#leaked++;
+    this.#logger.warn('lock: guard collected without release; releasing it now', { sessionId: r.sessionId, holder: r.holder });
+    this.emit('guardLeaked', { holder: r.holder, sessionId: r.sessionId });
+    void this.#release(r);
+  }
+
+  /** The holder's health. */
+  health(holder: string, options: CallOptions = {}): Promise<HealthResponseMsg> {
+    if (this.#isClosing) return Promise.reject(new ClosedError('lock client is closed'));
+    return this.#call<HealthResponseMsg>(holder, 'health', (c, md, o, cb) => c.Health({}, md, o, cb), this.#timeout(options), options.signal);
+  }
+
+  /**
+   * Release every live guard, abandon acquires in flight (releasing their possible
+   * grants), wait up to `closeTimeoutMs` for releases in flight, then close the channels.
+   * Idempotent; never rejects.
+   */
+  close(): Promise<void> {
+    this.#closing ??= this.#close();
+    return this.#closing;
+  }
+
+  async #close(): Promise<void> {
+    this.#isClosing = true;
+    for (const cancel of [...this.#inflight]) cancel(new ClosedError('lock client closed'));
+    for (const r of this.#records) void this.#release(r);
+    const limit = this.#opts.closeTimeoutMs ?? 5000;
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<void>((resolve) => {
+      timer = setTimeout(resolve, limit);
+    });
+    // Stop retry back-off sleeps after the first round so close is bounded.
+    const stopRetries = setTimeout(() => this.#closeController.abort(), Math.min(limit, 1000));
+    while (this.#pending.size > 0) {
+      const settled = await Promise.race([Promise.allSettled([...this.#pending]).then(() => true), timeout.then(() => false)]);
+      if (!settled) break;
+    }
+    clearTimeout(timer);
+    clearTimeout(stopRetries);
+    this.#closeController.abort();
+    for (const c of this.#channels.values()) c.close();
+    this.#channels.clear();
+    this.#unregisterMetrics();
+  }
+
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.close();
+  }
+}

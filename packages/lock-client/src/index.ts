@@ -1,0 +1,35 @@
+/**
+ * `@tensorwire/lock-client`: transfer locks. A requester pins blocks on a holder under a
+ * lease while it moves their bytes; the guard releases exactly once on every exit path.
+ * The holder side is `@tensorwire/lock-client/server`.
+ */
+export { LockClient, LockGuard } from './client.js';
+export type {
+  AcquireOptions,
+  AutoRenewOptions,
+  CallOptions,
+  GuardState,
+  LeaseLost,
+  LockClientEvents,
+  LockClientOptions,
+  ReleaseFailure,
+  ReleaseResult,
+  ReleaseRetryOptions,
+  RenewOptions,
+} from './client.js';
+export type { LockClientCounters } from './metrics.js';
+export { DEFAULT_CLIENT_METRICS_PREFIX } from './metrics.js';
+export { fromGrpcError, LeaseError } from './errors.js';
+export type { LeaseStatus } from './errors.js';
+export { AUTH_METADATA_KEY, LOCK_PROTO_PATH, LOCK_SERVICE_NAME, loadLockProtocol } from './proto.js';
+export type {
+  AcquireRequestMsg,
+  AcquireResponseMsg,
+  BlockGrantMsg,
+  HealthResponseMsg,
+  LockServiceClient,
+  ReleaseRequestMsg,
+  ReleaseResponseMsg,
+  RenewRequestMsg,
+  RenewResponseMsg,
+} from './proto.js';

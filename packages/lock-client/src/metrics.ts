@@ -1,0 +1,58 @@
+/** prom-client metrics for a requester, read from the client's counters at scrape time. */
+import { Counter, Gauge, type Registry } from 'prom-client';
+
+export const DEFAULT_CLIENT_METRICS_PREFIX = 'tensorwire_lock_client_';
+
+/** Requester-side counters. `acquired = released + releaseFailures + active`, always. */
+export interface LockClientCounters {
+  /** Guards handed out. */
+  readonly acquired: number;
+  /** Guards whose release the holder confirmed (including "already gone": released = 0). */
+  readonly released: number;
+  /** Guards whose release was given up (the holder's GC expires the lease). */
+  readonly releaseFailures: number;
+  /** Guards not yet released (live, or release in flight). */
+  readonly active: number;
+  /** Release attempts repeated after a failure. */
+  readonly releaseRetries: number;
+  /** Acquires given up in flight (abort, timeout, broken connection, close) whose possible grant was released by acquire id. */
+  readonly abandonedAcquires: number;
+  /** Guards garbage-collected without being released (then released by the finalizer). */
+  readonly leakedGuards: number;
+}
+
+export function registerClientMetrics(registry: Registry, prefix: string, read: () => LockClientCounters): () => void {
+  const names: string[] = [];
+  const counter = (name: string, help: string, pick: (c: LockClientCounters) => number): void => {
+    names.push(prefix + name);
+    let last = 0;
+    new Counter({
+      name: prefix + name,
+      help,
+      registers: [registry],
+      collect() {
+        const v = pick(read());
+        if (v > last) this.inc(v - last);
+        last = v;
+      },
+    });
+  };
+  names.push(prefix + 'guards_active');
+  new Gauge({
+    name: prefix + 'guards_active',
+    help: 'Lock guards not yet released',
+    registers: [registry],
+    collect() {
+      this.set(read().active);
+    },
+  });
+  counter('acquired_total', 'Lock guards acquired', (c) => c.acquired);
+  counter('released_total', 'Lock guards released (confirmed by the holder)', (c) => c.released);
+  counter('release_failures_total', 'Releases given up after retrying until the lease would have expired', (c) => c.releaseFailures);
+  counter('release_retries_total', 'Release attempts repeated after a failure', (c) => c.releaseRetries);
+  counter('acquires_abandoned_total', 'In-flight acquires given up and released by acquire id', (c) => c.abandonedAcquires);
+  counter('guards_leaked_total', 'Guards garbage-collected without release (released by the finalizer)', (c) => c.leakedGuards);
+  return () => {
+    for (const n of names) registry.removeSingleMetric(n);
+  };
+}

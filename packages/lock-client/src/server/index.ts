@@ -1,0 +1,16 @@
+/**
+ * `@tensorwire/lock-client/server`: the holder side. A gRPC lease service, its lease
+ * table (usable on its own), the expiry GC and metrics.
+ */
+export { LockServer, startLockServer } from './server.js';
+export type { BlockDescriptors, BlockResolver, CloseOptions, LockServerCounters, LockServerOptions, RpcName } from './server.js';
+export { LeaseTable, systemClock } from './lease-table.js';
+export type { AcquireParams, Clock, LeaseCounters, LeaseEndReason, LeaseInfo, LeaseTableOptions, SweepStats } from './lease-table.js';
+export { ExpiryScheduler, systemTimers } from './expiry.js';
+export type { ExpirySchedulerOptions, Timers } from './expiry.js';
+export { DeadlineHeap } from './heap.js';
+export type { HeapEntry } from './heap.js';
+export { DEFAULT_SERVER_METRICS_PREFIX } from './metrics.js';
+export { LeaseError } from '../errors.js';
+export type { LeaseStatus } from '../errors.js';
+export { LOCK_PROTO_PATH, LOCK_SERVICE_NAME, loadLockProtocol } from '../proto.js';

@@ -1,0 +1,471 @@
+/**
+ * The holder's lease table: which requester pins which blocks until when.
+ *
+ * Pure and synchronous, with an injectable clock, so property tests can step time. It
+ * keeps three promises:
+ *
+ * - **Counters balance**: `acquired = released + expired + active` for sessions and for
+ *   blocks, after every call (a session ended by shutdown counts as expired; a grant
+ *   abandoned before the requester saw it counts as released).
+ * - **Refcounted pins**: a block is pinned when its first live lease takes it and
+ *   unpinned only when its last live lease ends, so `unpin` never runs while a live lease
+ *   holds the block. On lease end the `onEnd` hook (revoke the lease's grants) runs
+ *   before any `unpin`.
+ * - **Expiry costs what expires**: leases sit in a deadline-keyed min-heap; `expireDue`
+ *   pops only the due ones. Every operation first expires what is due, so a lease is
+ *   never usable past its deadline even if the GC timer runs late.
+ */
+import { randomBytes } from 'node:crypto';
+import { formatId, idProblem, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
+import { LeaseError, type LeaseStatus } from '../errors.js';
+import { DeadlineHeap, type HeapEntry } from './heap.js';
+
+/** Milliseconds on some monotonic-enough timeline; the table only compares and adds. */
+export interface Clock {
+  now(): number;
+}
+
+/** Unix-epoch milliseconds from a monotonic source (does not jump when the wall clock is set). */
+export const systemClock: Clock = {
+  now: () => performance.timeOrigin + performance.now(),
+};
+
+/** A live lease as the hooks and callers see it. */
+export interface LeaseInfo {
+  readonly sessionId: string;
+  readonly requesterId: string;
+  readonly blockIds: readonly string[];
+  /** Client-chosen acquire nonce, when the requester sent one. */
+  readonly acquireId: string | undefined;
+  readonly acquiredAt: number;
+  /** When the lease ends unless renewed (clock milliseconds). */
+  readonly deadline: number;
+  /** The lease length last granted (ms). */
+  readonly leaseMs: number;
+}
+
+/** Why a lease ended. `released` and `abandoned` count as released; `expired` and `shutdown` as expired. */
+export type LeaseEndReason = 'released' | 'abandoned' | 'expired' | 'shutdown';
+
+export interface LeaseCounters {
+  /** Sessions ever granted. */
+  readonly acquired: number;
+  /** Sessions ended by a release (or a grant abandoned before the requester saw it). */
+  readonly released: number;
+  /** Sessions ended by the expiry GC (or revoked at shutdown). */
+  readonly expired: number;
+  /** Sessions live now. */
+  readonly active: number;
+  readonly blocksAcquired: number;
+  readonly blocksReleased: number;
+  readonly blocksExpired: number;
+  /** Sum of blocks over live sessions. */
+  readonly activeBlocks: number;
+  /** Distinct blocks pinned now (a block held by two sessions counts once). */
+  readonly pinnedBlocks: number;
+  /** Requests refused (any operation, any status). */
+  readonly rejected: number;
+}
+
+export interface LeaseTableOptions {
+  /** Owner of the session ids (`session:<holderId>:<random>`). */
+  readonly holderId: string;
+  /** The longest lease granted, and the default (ms). */
+  readonly lockTimeoutMs: number;
+  /** The shortest lease granted (ms); shorter requests are raised to it. Default min(1000, lockTimeoutMs). */
+  readonly minLeaseMs?: number;
+  /** Live sessions at most (default 100,000). */
+  readonly maxSessions?: number;
+  /** Blocks in one acquire at most (default 4096). */
+  readonly maxBlocksPerSession?: number;
+  /** Sum of blocks over live sessions at most (default unlimited). */
+  readonly maxActiveBlocks?: number;
+  readonly clock?: Clock;
+  /** Block goes from 0 to 1 live leases. Throw (e.g. `LeaseError('NOT_FOUND', …)`) to refuse the acquire. */
+  readonly pin?: (blockId: string, lease: LeaseInfo) => void;
+  /** Block goes from 1 to 0 live leases: its memory may be reused. */
+  readonly unpin?: (blockId: string) => void;
+  /** A lease ended: revoke its grants. Runs before the `unpin`s it causes. */
+  readonly onEnd?: (lease: LeaseInfo, reason: LeaseEndReason) => void;
+  /** A request was refused. */
+  readonly onReject?: (op: 'acquire' | 'release' | 'renew', status: LeaseStatus) => void;
+  /** Unguessable local part of a session id (default 128 random bits, base64url). */
+  readonly newSecret?: () => string;
+  readonly logger?: Logger;
+}
+
+export interface AcquireParams {
+  /** Requested lease (ms); 0 or absent means the lock timeout. */
+  readonly leaseMs?: number;
+  /** Client nonce for release-before-response. */
+  readonly acquireId?: string;
+}
+
+/** What the last `expireDue` call did: `examined` heap entries to expire `expired` leases. */
+export interface SweepStats {
+  readonly examined: number;
+  readonly expired: number;
+}
+
+interface Lease extends LeaseInfo, HeapEntry {
+  deadline: number;
+  leaseMs: number;
+  heapIndex: number;
+  live: boolean;
+}
+
+const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
+const DEFAULT_MAX_SESSIONS = 100_000;
+const NO_SWEEP: SweepStats = Object.freeze({ examined: 0, expired: 0 });
+const DEFAULT_MAX_BLOCKS = 4096;
+
+const SECRET_BYTES = 16;
+let secretPool = Buffer.alloc(0);
+let secretOffset = 0;
+/** 128 random bits, base64url (22 characters); drawn from a pooled buffer. */
+function defaultSecret(): string {
+  if (secretOffset + SECRET_BYTES > secretPool.length) {
+    secretPool = randomBytes(SECRET_BYTES * 256);
+    secretOffset = 0;
+  }
+  const s = secretPool.toString('base64url', secretOffset, secretOffset + SECRET_BYTES);
+  secretOffset += SECRET_BYTES;
+  return s;
+}
+
+export class LeaseTable {
+  readonly holderId: string;
+  readonly lockTimeoutMs: number;
+  readonly minLeaseMs: number;
+  readonly maxSessions: number;
+  readonly maxBlocksPerSession: number;
+  readonly maxActiveBlocks: number;
+  readonly clock: Clock;
+
+  readonly #opts: LeaseTableOptions;
+  readonly #logger: Logger;
+  readonly #sessions = new Map<string, Lease>();
+  readonly #byAcquire = new Map<string, Lease>();
+  readonly #pins = new Map<string, number>();
+  readonly #heap = new DeadlineHeap<Lease>();
+  /** Acquire ids released before their acquire arrived: key → expiry, in expiry order. */
+  readonly #tombstones = new Map<string, number>();
+  #acquired = 0;
+  #released = 0;
+  #expired = 0;
+  #blocksAcquired = 0;
+  #blocksReleased = 0;
+  #blocksExpired = 0;
+  #activeBlocks = 0;
+  #rejected = 0;
+  #lastSweep: SweepStats = NO_SWEEP;
+
+  constructor(options: LeaseTableOptions) {
+    const holderProblem = ownerProblem(options.holderId);
+    if (holderProblem !== undefined) throw new LeaseError('INVALID_ARGUMENT', `holderId: ${holderProblem}`);
+    const positive = (v: number, name: string): number => {
+      if (Number.isNaN(v) || v <= 0) throw new LeaseError('INVALID_ARGUMENT', `${name} must be a positive number, got ${v}`);
+      return v;
+    };
+    this.#opts = options;
+    this.holderId = options.holderId;
+    this.lockTimeoutMs = Math.floor(positive(options.lockTimeoutMs, 'lockTimeoutMs'));
+    if (this.lockTimeoutMs > 0xffffffff) throw new LeaseError('INVALID_ARGUMENT', 'lockTimeoutMs must fit in 32 bits');
+    this.minLeaseMs = Math.min(this.lockTimeoutMs, Math.floor(positive(options.minLeaseMs ?? Math.min(1000, this.lockTimeoutMs), 'minLeaseMs')));
+    this.maxSessions = positive(options.maxSessions ?? DEFAULT_MAX_SESSIONS, 'maxSessions');
+    this.maxBlocksPerSession = positive(options.maxBlocksPerSession ?? DEFAULT_MAX_BLOCKS, 'maxBlocksPerSession');
+    this.maxActiveBlocks = positive(options.maxActiveBlocks ?? Number.POSITIVE_INFINITY, 'maxActiveBlocks');
+    this.clock = options.clock ?? systemClock;
+    this.#logger = options.logger ?? silentLogger;
+  }
+
+  /** Live sessions. */
+  get size(): number {
+    return this.#sessions.size;
+  }
+
+  counters(): LeaseCounters {
+    return {
+      acquired: this.#acquired,
+      released: this.#released,
+      expired: this.#expired,
+      active: this.#sessions.size,
+      blocksAcquired: this.#blocksAcquired,
+      blocksReleased: this.#blocksReleased,
+      blocksExpired: this.#blocksExpired,
+      activeBlocks: this.#activeBlocks,
+      pinnedBlocks: this.#pins.size,
+      rejected: this.#rejected,
+    };
+  }
+
+  /** The live lease for a session id, if any (does not expire anything). */
+  get(sessionId: string): LeaseInfo | undefined {
+    return this.#sessions.get(sessionId);
+  }
+
+  /** Live leases, in no particular order. */
+  leases(): IterableIterator<LeaseInfo> {
+    return this.#sessions.values();
+  }
+
+  /** How many live leases pin a block (0 when unpinned). */
+  pinCount(blockId: string): number {
+    return this.#pins.get(blockId) ?? 0;
+  }
+
+  /** The earliest deadline among live leases. */
+  nextDeadline(): number | undefined {
+    return this.#heap.peek()?.deadline;
+  }
+
+  /** What the last sweep cost. */
+  get lastSweep(): SweepStats {
+    return this.#lastSweep;
+  }
+
+  #reject(op: 'acquire' | 'release' | 'renew', statusName: LeaseStatus, message: string): never {
+    this.#rejected++;
+    try {
+      this.#opts.onReject?.(op, statusName);
+    } catch (e) {
+      this.#logger.warn('lock: onReject hook threw', { error: String(e) });
+    }
+    throw new LeaseError(statusName, message);
+  }
+
+  #checkRequester(op: 'acquire' | 'release' | 'renew', requesterId: unknown): string {
+    const problem = ownerProblem(requesterId);
+    if (problem !== undefined) this.#reject(op, 'INVALID_ARGUMENT', `requester id: ${problem}`);
+    return requesterId as string;
+  }
+
+  #leaseMs(op: 'acquire' | 'renew', requested: number | undefined): number {
+    if (requested === undefined || requested === 0) return this.lockTimeoutMs;
+    if (!Number.isFinite(requested) || requested < 0) this.#reject(op, 'INVALID_ARGUMENT', `lease_ms must be a non-negative number, got ${requested}`);
+    return Math.min(this.lockTimeoutMs, Math.max(this.minLeaseMs, Math.floor(requested)));
+  }
+
+  /**
+   * Pin `blockIds` under a new lease for `requesterId`. Throws LeaseError: INVALID_ARGUMENT
+   * (malformed ids, empty list, duplicates), RESOURCE_EXHAUSTED (limits), ALREADY_EXISTS
+   * (live acquire id), ABORTED (acquire id released before it arrived), or whatever the
+   * `pin` hook throws (pins taken so far are rolled back).
+   */
+  acquire(requesterId: string, blockIds: readonly string[], params: AcquireParams = {}): LeaseInfo {
+    const now = this.clock.now();
+    this.expireDue(now);
+    this.#checkRequester('acquire', requesterId);
+    if (!Array.isArray(blockIds) || blockIds.length === 0) this.#reject('acquire', 'INVALID_ARGUMENT', 'block list is empty');
+    if (blockIds.length > this.maxBlocksPerSession) {
+      this.#reject('acquire', 'RESOURCE_EXHAUSTED', `${blockIds.length} blocks requested; at most ${this.maxBlocksPerSession} per session`);
+    }
+    const seen = new Set<string>();
+    for (const id of blockIds) {
+      const problem = idProblem(id, 'block');
+      if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', `block id: ${problem}`);
+      if (seen.has(id)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${JSON.stringify(id)} appears twice`);
+      seen.add(id);
+    }
+    const leaseMs = this.#leaseMs('acquire', params.leaseMs);
+    const acquireId = params.acquireId === undefined || params.acquireId === '' ? undefined : params.acquireId;
+    let acquireKey: string | undefined;
+    if (acquireId !== undefined) {
+      if (!TOKEN_RE.test(acquireId)) this.#reject('acquire', 'INVALID_ARGUMENT', 'acquire id must be 1-64 characters of [A-Za-z0-9_-]');
+      acquireKey = `${requesterId}/${acquireId}`;
+      if (this.#byAcquire.has(acquireKey)) this.#reject('acquire', 'ALREADY_EXISTS', `acquire id ${acquireId} is already live`);
+      if (this.#tombstones.has(acquireKey)) this.#reject('acquire', 'ABORTED', `acquire ${acquireId} was released before it arrived`);
+    }
+    if (this.#sessions.size >= this.maxSessions) {
+      this.#reject('acquire', 'RESOURCE_EXHAUSTED', `holder has ${this.#sessions.size} live sessions; limit ${this.maxSessions}`);
+    }
+    if (this.#activeBlocks + blockIds.length > this.maxActiveBlocks) {
+      this.#reject('acquire', 'RESOURCE_EXHAUSTED', `holder has ${this.#activeBlocks} blocks under lease; limit ${this.maxActiveBlocks}`);
+    }
+    let sessionId: string;
+    do sessionId = formatId('session', this.holderId, (this.#opts.newSecret ?? defaultSecret)());
+    while (this.#sessions.has(sessionId));
+    const lease: Lease = {
+      sessionId,
+      requesterId,
+      blockIds: Object.freeze([...blockIds]),
+      acquireId,
+      acquiredAt: now,
+      deadline: now + leaseMs,
+      leaseMs,
+      heapIndex: -1,
+      live: true,
+    };
+    // Pin, rolling back on a refusal so a failed acquire leaves no trace.
+    const pinned: string[] = [];
+    try {
+      for (const id of lease.blockIds) {
+        const n = this.#pins.get(id) ?? 0;
+        if (n === 0) this.#opts.pin?.(id, lease);
+        this.#pins.set(id, n + 1);
+        pinned.push(id);
+      }
+    } catch (e) {
+      lease.live = false;
+      this.#unpinAll(pinned);
+      this.#rejected++;
+      if (e instanceof LeaseError) {
+        try {
+          this.#opts.onReject?.('acquire', e.status);
+        } catch {
+          // reported through the rethrow
+        }
+      }
+      throw e;
+    }
+    this.#sessions.set(sessionId, lease);
+    if (acquireKey !== undefined) this.#byAcquire.set(acquireKey, lease);
+    this.#heap.push(lease);
+    this.#acquired++;
+    this.#blocksAcquired += lease.blockIds.length;
+    this.#activeBlocks += lease.blockIds.length;
+    return lease;
+  }
+
+  /**
+   * End a lease by session id (or by the acquire id it was granted under). Returns the
+   * number of blocks released: 0 for an unknown, released or expired session. Throws
+   * LeaseError PERMISSION_DENIED for another requester's session, INVALID_ARGUMENT for
+   * malformed ids.
+   */
+  release(requesterId: string, target: { sessionId?: string; acquireId?: string }): number {
+    const now = this.clock.now();
+    this.expireDue(now);
+    this.#checkRequester('release', requesterId);
+    const sessionId = target.sessionId ?? '';
+    const acquireId = target.acquireId ?? '';
+    if ((sessionId === '') === (acquireId === '')) this.#reject('release', 'INVALID_ARGUMENT', 'give exactly one of session id and acquire id');
+    let lease: Lease | undefined;
+    if (sessionId !== '') {
+      const problem = idProblem(sessionId, 'session');
+      if (problem !== undefined) this.#reject('release', 'INVALID_ARGUMENT', `session id: ${problem}`);
+      lease = this.#sessions.get(sessionId);
+    } else {
+      if (!TOKEN_RE.test(acquireId)) this.#reject('release', 'INVALID_ARGUMENT', 'acquire id must be 1-64 characters of [A-Za-z0-9_-]');
+      const key = `${requesterId}/${acquireId}`;
+      lease = this.#byAcquire.get(key);
+      if (lease === undefined) this.#tombstone(key, now);
+    }
+    if (lease === undefined) return 0;
+    if (lease.requesterId !== requesterId) this.#reject('release', 'PERMISSION_DENIED', `session ${lease.sessionId} belongs to another requester`);
+    this.#end(lease, 'released');
+    return lease.blockIds.length;
+  }
+
+  /** Holder-side release of a grant the requester never saw (e.g. its call was cancelled). */
+  abandon(sessionId: string): number {
+    const lease = this.#sessions.get(sessionId);
+    if (lease === undefined) return 0;
+    this.#end(lease, 'abandoned');
+    return lease.blockIds.length;
+  }
+
+  /**
+   * Extend a live lease to now + leaseMs (capped at the lock timeout). Throws LeaseError
+   * NOT_FOUND for an unknown or expired session, PERMISSION_DENIED for another
+   * requester's, INVALID_ARGUMENT for a malformed id.
+   */
+  renew(requesterId: string, sessionId: string, leaseMs?: number): LeaseInfo {
+    const now = this.clock.now();
+    this.expireDue(now);
+    this.#checkRequester('renew', requesterId);
+    const problem = idProblem(sessionId, 'session');
+    if (problem !== undefined) this.#reject('renew', 'INVALID_ARGUMENT', `session id: ${problem}`);
+    const ms = this.#leaseMs('renew', leaseMs);
+    const lease = this.#sessions.get(sessionId);
+    if (lease === undefined) this.#reject('renew', 'NOT_FOUND', `session ${sessionId} is not live (unknown, released or expired)`);
+    if (lease.requesterId !== requesterId) this.#reject('renew', 'PERMISSION_DENIED', `session ${sessionId} belongs to another requester`);
+    lease.leaseMs = ms;
+    this.#heap.update(lease, Math.max(lease.deadline, now + ms));
+    return lease;
+  }
+
+  /** Expire every lease whose deadline is at or before `now`. Cost: O(k log n) for k expiring. */
+  expireDue(now: number = this.clock.now()): number {
+    let examined = 0;
+    let expired = 0;
+    for (;;) {
+      const top = this.#heap.peek();
+      if (top === undefined || top.deadline > now) break;
+      examined++;
+      this.#end(top, 'expired');
+      expired++;
+    }
+    this.#pruneTombstones(now);
+    this.#lastSweep = examined === 0 ? NO_SWEEP : { examined, expired };
+    return expired;
+  }
+
+  /** End every live lease (counted as expired), for shutdown. */
+  revokeAll(): number {
+    let n = 0;
+    for (;;) {
+      const top = this.#heap.peek();
+      if (top === undefined) return n;
+      this.#end(top, 'shutdown');
+      n++;
+    }
+  }
+
+  #end(lease: Lease, reason: LeaseEndReason): void {
+    if (!lease.live) return;
+    lease.live = false;
+    this.#heap.remove(lease);
+    this.#sessions.delete(lease.sessionId);
+    if (lease.acquireId !== undefined) this.#byAcquire.delete(`${lease.requesterId}/${lease.acquireId}`);
+    const n = lease.blockIds.length;
+    this.#activeBlocks -= n;
+    if (reason === 'released' || reason === 'abandoned') {
+      this.#released++;
+      this.#blocksReleased += n;
+    } else {
+      this.#expired++;
+      this.#blocksExpired += n;
+    }
+    try {
+      this.#opts.onEnd?.(lease, reason);
+    } catch (e) {
+      this.#logger.error('lock: onEnd hook threw; continuing', { sessionId: lease.sessionId, error: String(e) });
+    }
+    this.#unpinAll(lease.blockIds);
+  }
+
+  #unpinAll(blockIds: readonly string[]): void {
+    for (const id of blockIds) {
+      const n = this.#pins.get(id) ?? 0;
+      if (n > 1) {
+        this.#pins.set(id, n - 1);
+        continue;
+      }
+      this.#pins.delete(id);
+      try {
+        this.#opts.unpin?.(id);
+      } catch (e) {
+        this.#logger.error('lock: unpin hook threw; continuing', { blockId: id, error: String(e) });
+      }
+    }
+  }
+
+  #tombstone(key: string, now: number): void {
+    this.#tombstones.delete(key);
+    this.#tombstones.set(key, now + this.lockTimeoutMs);
+    const cap = Math.max(1024, Math.min(this.maxSessions, 1_000_000));
+    while (this.#tombstones.size > cap) {
+      const oldest = this.#tombstones.keys().next().value as string;
+      this.#tombstones.delete(oldest);
+    }
+  }
+
+  #pruneTombstones(now: number): void {
+    // Insertion order is expiry order (constant TTL), so this stops at the first live one.
+    for (const [key, expiresAt] of this.#tombstones) {
+      if (expiresAt > now) return;
+      this.#tombstones.delete(key);
+    }
+  }
+}

@@ -1,0 +1,45 @@
+import { LockClient, type LockClientOptions } from '../src/index.js';
+import { LockServer, type LockServerOptions } from '../src/server/index.js';
+
+/** Poll until `predicate` holds. Bounded by the test's own timeout, never asserted on time. */
+export async function waitFor(predicate: () => boolean, what = 'condition', stepMs = 10): Promise<void> {
+  const started = Date.now();
+  while (!predicate()) {
+    if (Date.now() - started > 50_000) throw new Error(`gave up waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, stepMs));
+  }
+}
+
+export function blocks(owner: string, n: number, from = 0): string[] {
+  return Array.from({ length: n }, (_, i) => `block:${owner}:${from + i}`);
+}
+
+export interface Harness {
+  server: LockServer;
+  holder: string;
+  client: LockClient;
+  /** Release RPCs the server has received. */
+  releases(): number;
+  close(): Promise<void>;
+}
+
+export async function harness(serverOpts: Partial<LockServerOptions> = {}, clientOpts: LockClientOptions = {}): Promise<Harness> {
+  const server = new LockServer({ holderId: 'holder1', lockTimeoutMs: 30_000, ...serverOpts });
+  const port = await server.listen('127.0.0.1:0');
+  const holder = `127.0.0.1:${port}`;
+  const client = new LockClient({ requesterId: 'req1', ...clientOpts });
+  return {
+    server,
+    holder,
+    client,
+    releases: () => server.counters().requests.release,
+    async close() {
+      await client.close();
+      await server.close({ graceMs: 0 });
+    },
+  };
+}
+
+export function expectBalanced(c: { acquired: number; released: number; expired: number; active: number }): boolean {
+  return c.acquired === c.released + c.expired + c.active;
+}
