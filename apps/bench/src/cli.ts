@@ -3,6 +3,7 @@
  * tensorwire-bench: the benchmark CLI. Every figure is printed beside a baseline measured in
  * the same run, and every byte moved is verified. See the package README.
  */
+import './env.js';
 import { writeFileSync } from 'node:fs';
 import os from 'node:os';
 import { Command, CommanderError, Option } from 'commander';
@@ -12,6 +13,9 @@ import { renderHtml } from './report.js';
 import { renderTables } from './render.js';
 import { SCHEMA_VERSION } from './schema.js';
 import { SCENARIOS, type ScenarioName } from './scenarios/index.js';
+import { runScenario, runSettings } from './scenarios/run.js';
+import { startHolder } from './holder.js';
+import { runFetcher } from './fetcher.js';
 import { iperf3, ucxPerftest } from './external.js';
 import { BenchError, type ScenarioContext, type ScenarioResult } from './types.js';
 import { parseBytes } from './units.js';
@@ -88,12 +92,28 @@ async function compare(results: ScenarioResult[], opts: GlobalOptions): Promise<
   ];
 }
 
-async function execute(command: string, names: readonly ScenarioName[], opts: GlobalOptions): Promise<void> {
+function positive(text: string | undefined, what: string, fallback: number): number {
+  if (text === undefined) return fallback;
+  const v = Number(text);
+  if (!Number.isFinite(v) || v <= 0) throw new BenchError(`${what} ${JSON.stringify(text)} must be a positive number`);
+  return v;
+}
+
+function hostPort(text: string, what: string): { host: string; port: number } {
+  const m = /^([A-Za-z0-9.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$/.exec(text);
+  const port = m ? Number(m[2]) : -1;
+  if (!m || port > 65535) throw new BenchError(`${what} ${JSON.stringify(text)} must be HOST:PORT`);
+  return { host: m[1] as string, port };
+}
+
+type Runner = (ctx: ScenarioContext) => Promise<ScenarioResult>;
+
+async function execute(command: string, runners: readonly Runner[], opts: GlobalOptions): Promise<void> {
   const startedAt = new Date();
   const ac = new AbortController();
   const ctx = context(opts, ac.signal);
   let results: ScenarioResult[] = [];
-  for (const name of names) results.push(await SCENARIOS[name](ctx));
+  for (const run of runners) results.push(await run(ctx));
   results = await compare(results, opts);
   const output = {
     schemaVersion: SCHEMA_VERSION,
@@ -135,15 +155,62 @@ export function program(): Command {
     .showHelpAfterError(false);
   p.addOption(new Option('--debug', 'print stack traces on errors').hideHelp());
   withGlobals(p.command('run', { isDefault: true }).description('the remote-fetch flow end to end: holder process (pool, lock service, transports) and requester process'))
-    .option('--duration <seconds>', 'how long the requester fetches', '10')
-    .action((opts: GlobalOptions) => execute('run', ['run'], opts));
+    .option('--duration <seconds>', 'how long the requester fetches (default 10, 1.5 with --quick)')
+    .action((opts: GlobalOptions & { duration?: string }) =>
+      execute('run', [(ctx) => runScenario(ctx, runSettings(ctx, opts.duration === undefined ? undefined : positive(opts.duration, '--duration', 10) * 1000))], opts),
+    );
+  p.command('holder')
+    .description('the holder half of `run`, in the foreground, for a requester on another machine (`fetch --holder`)')
+    .option('--listen <host:port>', 'lock service address', '0.0.0.0:7070')
+    .option('--advertise <host>', 'address requesters use to reach this machine', '127.0.0.1')
+    .option('--blocks <n>', 'blocks in the pool', '64')
+    .option('--block-size <size>', 'bytes per block', '1MiB')
+    .action(async (o: { listen: string; advertise: string; blocks: string; blockSize: string }) => {
+      const { host, port } = hostPort(o.listen, '--listen');
+      const blocks = positive(o.blocks, '--blocks', 64);
+      if (!Number.isInteger(blocks)) throw new BenchError('--blocks must be a whole number');
+      const holder = await startHolder({ blocks, blockBytes: parseBytes(o.blockSize, '--block-size'), lockAddress: `${host}:${port}`, tcpHost: host, advertiseHost: o.advertise, lockTimeoutMs: 5_000 }).catch((e: unknown) => {
+        const m = e instanceof Error ? e.message : String(e);
+        throw new BenchError(/EADDRINUSE|in use/i.test(m) ? `cannot listen on ${o.listen}: address in use` : `cannot start the holder: ${m}`);
+      });
+      process.stdout.write(`holder ready: lock service on ${host}:${holder.server.port}; fetch with: tensorwire-bench fetch --holder ${o.advertise}:${holder.server.port}\n`);
+      await new Promise<void>((resolve) => {
+        process.once('SIGINT', resolve);
+        process.once('SIGTERM', resolve);
+      });
+      process.stdout.write(`holder counters: ${JSON.stringify(holder.counters())}\n`);
+      await holder.close();
+    });
+  withGlobals(p.command('fetch').description('the requester half of `run` against a holder started with `tensorwire-bench holder`'))
+    .requiredOption('--holder <host:port>', 'the holder\'s lock service')
+    .option('--blocks <n>', 'blocks the holder has', '64')
+    .option('--block-size <size>', 'bytes per block (as the holder)', '1MiB')
+    .option('--duration <seconds>', 'how long to fetch', '10')
+    .action((o: GlobalOptions & { holder: string; blocks: string; blockSize: string; duration: string }) => {
+      hostPort(o.holder, '--holder');
+      const blockBytes = parseBytes(o.blockSize, '--block-size');
+      const blocks = positive(o.blocks, '--blocks', 64);
+      const durationMs = positive(o.duration, '--duration', 10) * 1000;
+      return execute(
+        'fetch',
+        [
+          async (ctx) => {
+            const r = await runFetcher({ lockAddress: o.holder, blocks, blockBytes, blocksPerFetch: Math.min(8, blocks), durationMs, lanes: 2, signal: ctx.signal }).catch((e: unknown) => {
+              throw new BenchError(`cannot fetch from ${o.holder}: ${e instanceof Error ? e.message : String(e)}`);
+            });
+            return { scenario: 'fetch', measurements: r.measurements, ratios: r.ratios, verificationFailures: r.verificationFailures, notes: r.notes };
+          },
+        ],
+        o,
+      );
+    });
   for (const [name, description] of [
     ['tcp', 'TCP transport READ vs a raw node:net stream, block-size sweep'],
     ['pool', 'shared-memory pool: producer writes vs memcpy, consumer pass over a view vs local memory'],
     ['locks', 'lease acquire/release cycles vs a plain gRPC echo; requesters killed mid-lease'],
     ['rdma', 'RDMA READ/WRITE with 1, 2, 4 QPs vs perftest (needs an RDMA device)'],
   ] as const) {
-    withGlobals(p.command(name).description(description)).action((opts: GlobalOptions) => execute(name, [name], opts));
+    withGlobals(p.command(name).description(description)).action((opts: GlobalOptions) => execute(name, [SCENARIOS[name as ScenarioName]], opts));
   }
   return p;
 }

@@ -17,10 +17,17 @@ export function decodeBlockGrant(bytes: Uint8Array): { rawPort: number; endpoint
   return { rawPort, endpoint, descriptor };
 }
 
-/** Holder block i lives in pool slot i and is pinned under lock id `block:<owner>:<i>`. */
-export const POOL_OWNER = 'kv-holder';
+/**
+ * Holder block i is pinned under the lock id `block:kv:<i>` (the logical KV-cache block) and
+ * lives in the holder's i-th pool slot. The pool's owner name is per process
+ * (`kv-holder-<pid>`), so two holders on one host never share pool ids.
+ */
+export const BLOCK_OWNER = 'kv';
 export function blockId(i: number): string {
-  return `block:${POOL_OWNER}:${i}`;
+  return `block:${BLOCK_OWNER}:${i}`;
+}
+export function poolOwner(): string {
+  return `kv-holder-${process.pid}`;
 }
 export function blockSeed(i: number): number {
   return 1000 + i;

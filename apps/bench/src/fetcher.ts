@@ -48,6 +48,7 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
   let failedFetches = 0;
   let bytes = 0;
   let rawPort = 0;
+  let explained = false;
   const fetchMs: number[] = [];
   const lockMs: number[] = [];
   try {
@@ -73,7 +74,11 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
             const grants = chosen.map((i) => decodeBlockGrant(lease.descriptorsFor(blockId(i))[0] as Uint8Array));
             rawPort = grants[0]?.rawPort ?? rawPort;
             const endpoint = grants[0]?.endpoint as Uint8Array;
-            if (fetches === 0) notes.push(`transport chosen: ${engine.explain(endpoint).chosen} — ${engine.explain(endpoint).reason}`);
+            if (!explained) {
+              explained = true;
+              const ex = engine.explain(endpoint);
+              notes.push(`transport chosen: ${ex.chosen} — ${ex.reason}`);
+            }
             buffer.fill(0);
             await engine.read(
               endpoint,

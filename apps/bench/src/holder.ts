@@ -10,7 +10,7 @@ import { pattern } from '@tensorwire/core/testing/pattern';
 import { TensorPool } from '@tensorwire/cuda-ipc';
 import { LeaseError } from '@tensorwire/lock-client';
 import { startLockServer, type LockServer } from '@tensorwire/lock-client/server';
-import { POOL_OWNER, blockSeed, encodeBlockGrant } from './fetch-protocol.js';
+import { BLOCK_OWNER, blockSeed, encodeBlockGrant, poolOwner } from './fetch-protocol.js';
 
 export interface HolderOptions {
   blocks: number;
@@ -33,13 +33,32 @@ export interface Holder {
 }
 
 export async function startHolder(o: HolderOptions): Promise<Holder> {
-  const pool = new TensorPool({ owner: POOL_OWNER });
+  const pool = new TensorPool({ owner: poolOwner() });
+  try {
+    return await serve(o, pool);
+  } catch (e) {
+    await pool.close().catch(() => undefined);
+    throw e;
+  }
+}
+
+async function serve(o: HolderOptions, pool: TensorPool): Promise<Holder> {
   const engine = new TransferEngine({
     nodeId: 'bench-holder',
     transports: [new TcpTransport({ host: o.tcpHost, ...(o.advertiseHost ? { advertiseHost: o.advertiseHost } : {}) })],
     logger: silentLogger,
   });
   await engine.start();
+  const closers: (() => Promise<unknown>)[] = [() => engine.close()];
+  try {
+    return await finish(o, pool, engine, closers);
+  } catch (e) {
+    for (const c of closers.reverse()) await c().catch(() => undefined);
+    throw e;
+  }
+}
+
+async function finish(o: HolderOptions, pool: TensorPool, engine: TransferEngine, closers: (() => Promise<unknown>)[]): Promise<Holder> {
   const memory: Uint8Array[] = [];
   for (let i = 0; i < o.blocks; i++) {
     const id = await pool.register({ byteLength: o.blockBytes });
@@ -68,6 +87,7 @@ export async function startHolder(o: HolderOptions): Promise<Holder> {
     raw.once('error', reject);
     raw.listen(0, o.tcpHost, () => resolve());
   });
+  closers.push(() => new Promise((r) => raw.close(r)));
   const rawPort = (raw.address() as net.AddressInfo).port;
 
   const grants = new Map<string, Registration[]>(); // session id -> its lease-scoped registrations
@@ -78,7 +98,7 @@ export async function startHolder(o: HolderOptions): Promise<Holder> {
     logger: silentLogger,
     pin: (id) => {
       const i = Number(id.split(':')[2]);
-      if (!id.startsWith(`block:${POOL_OWNER}:`) || !(i >= 0 && i < o.blocks)) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
+      if (!id.startsWith(`block:${BLOCK_OWNER}:`) || !(i >= 0 && i < o.blocks)) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
     },
     resolve: async (ids, lease) => {
       const regs = await Promise.all(ids.map((id) => engine.register({ kind: 'host', buffer: memory[Number(id.split(':')[2])] as Uint8Array })));

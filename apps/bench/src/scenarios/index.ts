@@ -1,5 +1,6 @@
 import type { Scenario } from '../types.js';
 import { locks } from './locks.js';
+import { pool } from './pool.js';
 import { rdma } from './rdma.js';
 import { runScenario } from './run.js';
 import { tcp } from './tcp.js';
@@ -9,7 +10,7 @@ export type ScenarioName = 'run' | 'tcp' | 'pool' | 'locks' | 'rdma';
 export const SCENARIOS: Record<ScenarioName, Scenario> = {
   tcp,
   run: (ctx) => runScenario(ctx),
-  pool: tcp,
+  pool,
   locks,
   rdma,
 };

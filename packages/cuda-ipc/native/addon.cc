@@ -1,0 +1,618 @@
+// Node-API bindings for @tensorwire/cuda-ipc. Per-environment state lives in the Addon
+// instance (no module-level statics), so the addon works in worker threads.
+#include <napi.h>
+#include <sys/mman.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "cuda.h"
+#include "layout.h"
+#include "shm.h"
+
+namespace tw {
+namespace {
+
+const char* ErrnoName(int e) {
+  switch (e) {
+    case EEXIST: return "EEXIST";
+    case ENOENT: return "ENOENT";
+    case EACCES: return "EACCES";
+    case EPERM: return "EPERM";
+    case ENOSPC: return "ENOSPC";
+    case ENOMEM: return "ENOMEM";
+    case EINVAL: return "EINVAL";
+    case ENAMETOOLONG: return "ENAMETOOLONG";
+    case EMFILE: return "EMFILE";
+    default: return "";
+  }
+}
+
+[[noreturn]] void Throw(Napi::Env env, const Status& s) {
+  Napi::Error e = Napi::Error::New(env, s.message);
+  e.Set("code", Napi::String::New(env, s.code));
+  if (s.err != 0) {
+    e.Set("errno", Napi::Number::New(env, s.err));
+    e.Set("errnoName", Napi::String::New(env, ErrnoName(s.err)));
+    e.Set("syscall", Napi::String::New(env, s.syscall));
+  }
+  throw e;
+}
+
+[[noreturn]] void ThrowInvalid(Napi::Env env, const std::string& message) { Throw(env, Status::Fail(kInvalidInput, message)); }
+
+Napi::Value CudaError(Napi::Env env, const CudaStatus& s) {
+  const char* code = kBackendUnavailable;
+  if (s.result == CUDA_ERROR_OUT_OF_MEMORY) code = kResourceExhausted;
+  if (s.result == CUDA_ERROR_INVALID_VALUE || s.result == CUDA_ERROR_INVALID_HANDLE || s.result == CUDA_ERROR_INVALID_DEVICE) {
+    code = kInvalidInput;
+  }
+  Napi::Error e = Napi::Error::New(env, s.message);
+  e.Set("code", Napi::String::New(env, code));
+  e.Set("cuResult", Napi::Number::New(env, s.result));
+  e.Set("cuCall", Napi::String::New(env, s.call));
+  return e.Value();
+}
+
+struct Bytes {
+  uint8_t* data = nullptr;
+  size_t size = 0;
+};
+
+// A segment mapping (ArrayBuffer) or any ArrayBuffer handed in for decoding.
+Bytes SegmentArg(const Napi::CallbackInfo& info, size_t i) {
+  if (info.Length() <= i || !info[i].IsArrayBuffer()) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be an ArrayBuffer");
+  Napi::ArrayBuffer ab = info[i].As<Napi::ArrayBuffer>();
+  return Bytes{static_cast<uint8_t*>(ab.Data()), ab.ByteLength()};
+}
+
+Bytes U8Arg(const Napi::CallbackInfo& info, size_t i) {
+  if (info.Length() <= i || !info[i].IsTypedArray()) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be a Uint8Array");
+  Napi::TypedArray ta = info[i].As<Napi::TypedArray>();
+  if (ta.TypedArrayType() != napi_uint8_array) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be a Uint8Array");
+  Napi::Uint8Array u8 = ta.As<Napi::Uint8Array>();
+  return Bytes{u8.Data(), u8.ByteLength()};
+}
+
+std::string StrArg(const Napi::CallbackInfo& info, size_t i) {
+  if (info.Length() <= i || !info[i].IsString()) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be a string");
+  return info[i].As<Napi::String>().Utf8Value();
+}
+
+uint64_t U64Arg(const Napi::CallbackInfo& info, size_t i) {
+  if (info.Length() > i && info[i].IsBigInt()) {
+    bool lossless = false;
+    uint64_t v = info[i].As<Napi::BigInt>().Uint64Value(&lossless);
+    if (!lossless) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " does not fit 64 bits");
+    return v;
+  }
+  if (info.Length() > i && info[i].IsNumber()) {
+    double d = info[i].As<Napi::Number>().DoubleValue();
+    if (!(d >= 0) || d > 9007199254740991.0 || d != static_cast<double>(static_cast<uint64_t>(d))) {
+      ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be a non-negative safe integer");
+    }
+    return static_cast<uint64_t>(d);
+  }
+  ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be a number or bigint");
+}
+
+int32_t I32Arg(const Napi::CallbackInfo& info, size_t i) {
+  if (info.Length() <= i || !info[i].IsNumber()) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be a number");
+  double d = info[i].As<Napi::Number>().DoubleValue();
+  if (d != static_cast<double>(static_cast<int32_t>(d))) ThrowInvalid(info.Env(), "argument " + std::to_string(i) + " must be an int32");
+  return static_cast<int32_t>(d);
+}
+
+std::vector<uint64_t> ShapeFrom(Napi::Env env, Napi::Value v) {
+  if (!v.IsArray()) ThrowInvalid(env, "shape must be an array");
+  Napi::Array a = v.As<Napi::Array>();
+  if (a.Length() > kMaxNdim) ThrowInvalid(env, "shape has more than " + std::to_string(kMaxNdim) + " dimensions");
+  std::vector<uint64_t> out;
+  for (uint32_t i = 0; i < a.Length(); i++) {
+    Napi::Value d = a.Get(i);
+    if (!d.IsNumber()) ThrowInvalid(env, "shape[" + std::to_string(i) + "] must be a number");
+    double x = d.As<Napi::Number>().DoubleValue();
+    if (!(x >= 0) || x > 9007199254740991.0 || x != static_cast<double>(static_cast<uint64_t>(x))) {
+      ThrowInvalid(env, "shape[" + std::to_string(i) + "] must be a non-negative safe integer");
+    }
+    out.push_back(static_cast<uint64_t>(x));
+  }
+  return out;
+}
+
+Napi::Object MetaToJs(Napi::Env env, const Meta& m) {
+  Napi::Object o = Napi::Object::New(env);
+  o.Set("kind", m.kind);
+  o.Set("version", m.version);
+  o.Set("headerSize", m.header_size);
+  o.Set("dataOffset", Napi::Number::New(env, static_cast<double>(m.data_offset)));
+  o.Set("capacity", Napi::Number::New(env, static_cast<double>(m.capacity)));
+  o.Set("ownerPid", m.owner_pid);
+  o.Set("device", m.device);
+  o.Set("ownerStart", Napi::BigInt::New(env, m.owner_start));
+  o.Set("ipcOffset", Napi::Number::New(env, static_cast<double>(m.ipc_offset)));
+  o.Set("ipcHandle", Napi::Buffer<uint8_t>::Copy(env, m.ipc_handle, kIpcHandleBytes));
+  o.Set("generation", Napi::BigInt::New(env, m.generation));
+  o.Set("state", m.state);
+  o.Set("importers", m.importers);
+  o.Set("byteLength", Napi::Number::New(env, static_cast<double>(m.byte_length)));
+  o.Set("dtype", m.dtype);
+  Napi::Array shape = Napi::Array::New(env, m.ndim);
+  for (uint32_t i = 0; i < m.ndim && i < kMaxNdim; i++) shape.Set(i, Napi::Number::New(env, static_cast<double>(m.shape[i])));
+  o.Set("shape", shape);
+  o.Set("id", m.id);
+  return o;
+}
+
+void Unmap(Napi::Env, void* data, size_t* size) {
+  if (data != nullptr && size != nullptr) munmap(data, *size);
+  delete size;
+}
+
+Napi::ArrayBuffer WrapMapping(Napi::Env env, const Mapping& m) {
+  // The mapping lives until V8 collects every view of this ArrayBuffer; the finalizer unmaps.
+  size_t* hint = new size_t(m.size);
+  try {
+    return Napi::ArrayBuffer::New(env, m.addr, m.size, Unmap, hint);
+  } catch (...) {
+    munmap(m.addr, m.size);
+    delete hint;
+    throw;
+  }
+}
+
+// Runs a CUDA driver call on the libuv thread pool and settles a promise with the result.
+class CudaWorker : public Napi::AsyncWorker {
+ public:
+  using Exec = std::function<CudaStatus()>;
+  using Done = std::function<Napi::Value(Napi::Env)>;
+  CudaWorker(Napi::Env env, Exec exec, Done done)
+      : Napi::AsyncWorker(env, "tensorwire.cuda"), deferred_(Napi::Promise::Deferred::New(env)), exec_(std::move(exec)),
+        done_(std::move(done)) {}
+  Napi::Promise Promise() { return deferred_.Promise(); }
+  // Keeps a JS buffer (and so the memory it views) alive until the work settles.
+  void Keep(Napi::Value v) {
+    if (v.IsObject()) keep_.push_back(Napi::Persistent(v.As<Napi::Object>()));
+  }
+  void Execute() override { status_ = exec_(); }
+  void OnOK() override {
+    Napi::Env env = Env();
+    if (!status_.ok()) {
+      deferred_.Reject(CudaError(env, status_));
+      return;
+    }
+    try {
+      deferred_.Resolve(done_ ? done_(env) : env.Undefined());
+    } catch (const Napi::Error& e) {
+      deferred_.Reject(e.Value());
+    }
+  }
+  void OnError(const Napi::Error& e) override { deferred_.Reject(e.Value()); }
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  Exec exec_;
+  Done done_;
+  CudaStatus status_;
+  std::vector<Napi::ObjectReference> keep_;
+};
+
+class Addon : public Napi::Addon<Addon> {
+ public:
+  Addon(Napi::Env env, Napi::Object exports) : cuda_(std::make_shared<CudaDriver>()) {
+    (void)env;
+    DefineAddon(exports, {
+        InstanceMethod("layout", &Addon::Layout),
+        InstanceMethod("nameProblem", &Addon::NameProblemJs),
+        InstanceMethod("shmCreate", &Addon::ShmCreate),
+        InstanceMethod("shmOpen", &Addon::ShmOpen),
+        InstanceMethod("shmUnlink", &Addon::ShmUnlink),
+        InstanceMethod("shmUnlinkAll", &Addon::ShmUnlinkAll),
+        InstanceMethod("shmCreated", &Addon::ShmCreated),
+        InstanceMethod("headerDecode", &Addon::HeaderDecode),
+        InstanceMethod("seqWrite", &Addon::SeqWriteJs),
+        InstanceMethod("seqCheck", &Addon::SeqCheckJs),
+        InstanceMethod("seqCopy", &Addon::SeqCopyJs),
+        InstanceMethod("setState", &Addon::SetStateJs),
+        InstanceMethod("loadState", &Addon::LoadStateJs),
+        InstanceMethod("importerAdd", &Addon::ImporterAddJs),
+        InstanceMethod("importerRemove", &Addon::ImporterRemoveJs),
+        InstanceMethod("importers", &Addon::ImportersJs),
+        InstanceMethod("grantEnter", &Addon::GrantEnterJs),
+        InstanceMethod("grantLeave", &Addon::GrantLeaveJs),
+        InstanceMethod("grantActive", &Addon::GrantActiveJs),
+        InstanceMethod("grantRevoke", &Addon::GrantRevokeJs),
+        InstanceMethod("cudaProbe", &Addon::CudaProbe),
+        InstanceMethod("cudaAlloc", &Addon::CudaAlloc),
+        InstanceMethod("cudaExport", &Addon::CudaExport),
+        InstanceMethod("cudaFree", &Addon::CudaFree),
+        InstanceMethod("cudaImport", &Addon::CudaImport),
+        InstanceMethod("cudaCloseImport", &Addon::CudaCloseImport),
+        InstanceMethod("cudaCopy", &Addon::CudaCopy),
+        InstanceMethod("cudaHostRegister", &Addon::CudaHostRegister),
+        InstanceMethod("cudaHostUnregister", &Addon::CudaHostUnregister),
+    });
+  }
+
+  // Environment teardown: unlink every segment this environment created and did not free.
+  ~Addon() {
+    for (const std::string& name : created_) {
+      bool existed = false;
+      UnlinkSegment(name, &existed);
+    }
+  }
+
+ private:
+  Napi::Value Layout(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("headerSize", kHeaderSize);
+    o.Set("dataOffset", Napi::Number::New(env, static_cast<double>(kDataOffset)));
+    o.Set("maxNdim", kMaxNdim);
+    o.Set("maxNameLength", Napi::Number::New(env, static_cast<double>(kMaxNameLength)));
+    o.Set("maxSegmentBytes", Napi::Number::New(env, static_cast<double>(kMaxSegmentBytes)));
+    o.Set("tokenBytes", Napi::Number::New(env, static_cast<double>(kTokenBytes)));
+    Napi::Object offsets = Napi::Object::New(env);
+#define TW_OFF(f) offsets.Set(#f, Napi::Number::New(env, static_cast<double>(off::f)))
+    TW_OFF(magic); TW_OFF(version); TW_OFF(kind); TW_OFF(header_size); TW_OFF(data_offset); TW_OFF(capacity);
+    TW_OFF(owner_pid); TW_OFF(device); TW_OFF(owner_start); TW_OFF(ipc_offset); TW_OFF(ipc_handle);
+    TW_OFF(generation); TW_OFF(state); TW_OFF(importers); TW_OFF(active); TW_OFF(byte_length); TW_OFF(dtype);
+    TW_OFF(ndim); TW_OFF(shape); TW_OFF(id_length); TW_OFF(id); TW_OFF(ext); TW_OFF(grant_token);
+    TW_OFF(grant_target); TW_OFF(grant_offset); TW_OFF(grant_length); TW_OFF(grant_name_len); TW_OFF(grant_name);
+#undef TW_OFF
+    o.Set("offsets", offsets);
+    return o;
+  }
+
+  Napi::Value NameProblemJs(const Napi::CallbackInfo& info) {
+    std::string p = NameProblem(StrArg(info, 0));
+    return p.empty() ? info.Env().Undefined() : Napi::String::New(info.Env(), p);
+  }
+
+  Napi::Value ShmCreate(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::string name = StrArg(info, 0);
+    uint64_t size = U64Arg(info, 1);
+    if (info.Length() < 3 || !info[2].IsObject()) ThrowInvalid(env, "init must be an object");
+    Napi::Object o = info[2].As<Napi::Object>();
+    auto num = [&](const char* key, double dflt) -> double {
+      Napi::Value v = o.Get(key);
+      if (v.IsUndefined()) return dflt;
+      if (!v.IsNumber()) ThrowInvalid(env, std::string("init.") + key + " must be a number");
+      return v.As<Napi::Number>().DoubleValue();
+    };
+    InitParams p;
+    p.kind = static_cast<uint32_t>(num("kind", kKindPool));
+    if (p.kind < kKindPool || p.kind > kKindNode) ThrowInvalid(env, "init.kind is unknown");
+    p.data_offset = static_cast<uint64_t>(num("dataOffset", 0));
+    p.capacity = static_cast<uint64_t>(num("capacity", 0));
+    p.owner_pid = static_cast<uint32_t>(num("ownerPid", 0));
+    p.device = static_cast<int32_t>(num("device", -1));
+    p.ipc_offset = static_cast<uint64_t>(num("ipcOffset", 0));
+    p.byte_length = static_cast<uint64_t>(num("byteLength", 0));
+    p.dtype = static_cast<uint32_t>(num("dtype", 1));
+    Napi::Value start = o.Get("ownerStart");
+    if (start.IsBigInt()) {
+      bool lossless = false;
+      p.owner_start = start.As<Napi::BigInt>().Uint64Value(&lossless);
+    }
+    Napi::Value shape = o.Get("shape");
+    if (!shape.IsUndefined()) p.shape = ShapeFrom(env, shape);
+    Napi::Value id = o.Get("id");
+    if (!id.IsString()) ThrowInvalid(env, "init.id must be a string");
+    p.id = id.As<Napi::String>().Utf8Value();
+    Napi::Value handle = o.Get("ipcHandle");
+    if (handle.IsTypedArray()) {
+      Napi::Uint8Array h = handle.As<Napi::Uint8Array>();
+      if (h.ByteLength() != kIpcHandleBytes) ThrowInvalid(env, "init.ipcHandle must be 64 bytes");
+      std::memcpy(p.ipc_handle, h.Data(), kIpcHandleBytes);
+      p.has_ipc_handle = true;
+    }
+    Mapping m;
+    Status s = CreateSegment(name, size, p, &m);
+    if (!s.ok()) Throw(env, s);
+    created_.insert(name);
+    try {
+      return WrapMapping(env, m);
+    } catch (...) {
+      bool existed = false;
+      UnlinkSegment(name, &existed);
+      created_.erase(name);
+      throw;
+    }
+  }
+
+  Napi::Value ShmOpen(const Napi::CallbackInfo& info) {
+    std::string name = StrArg(info, 0);
+    uint64_t max = U64Arg(info, 1);
+    Mapping m;
+    Status s = OpenSegment(name, max, &m);
+    if (!s.ok()) Throw(info.Env(), s);
+    return WrapMapping(info.Env(), m);
+  }
+
+  Napi::Value ShmUnlink(const Napi::CallbackInfo& info) {
+    std::string name = StrArg(info, 0);
+    bool existed = false;
+    Status s = UnlinkSegment(name, &existed);
+    if (!s.ok()) Throw(info.Env(), s);
+    created_.erase(name);
+    return Napi::Boolean::New(info.Env(), existed);
+  }
+
+  Napi::Value ShmUnlinkAll(const Napi::CallbackInfo& info) {
+    uint32_t n = 0;
+    for (const std::string& name : created_) {
+      bool existed = false;
+      if (UnlinkSegment(name, &existed).ok() && existed) n++;
+    }
+    created_.clear();
+    return Napi::Number::New(info.Env(), n);
+  }
+
+  Napi::Value ShmCreated(const Napi::CallbackInfo& info) {
+    Napi::Array a = Napi::Array::New(info.Env(), created_.size());
+    uint32_t i = 0;
+    for (const std::string& name : created_) a.Set(i++, name);
+    return a;
+  }
+
+  Napi::Value HeaderDecode(const Napi::CallbackInfo& info) {
+    Bytes b = SegmentArg(info, 0);
+    uint32_t kind = info.Length() > 1 && info[1].IsNumber() ? info[1].As<Napi::Number>().Uint32Value() : 0;
+    std::string expect = info.Length() > 2 && info[2].IsString() ? info[2].As<Napi::String>().Utf8Value() : "";
+    Meta m;
+    Status s = DecodeHeader(b.data, b.size, kind, expect, &m);
+    if (!s.ok()) Throw(info.Env(), s);
+    return MetaToJs(info.Env(), m);
+  }
+
+  Napi::Value SeqWriteJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Bytes seg = SegmentArg(info, 0);
+    uint64_t capacity = U64Arg(info, 1);
+    Bytes src = U8Arg(info, 2);
+    int32_t dtype = I32Arg(info, 3);
+    if (dtype <= 0) ThrowInvalid(env, "dtype code must be positive");
+    std::vector<uint64_t> shape = ShapeFrom(env, info.Length() > 4 ? info[4] : env.Undefined());
+    uint64_t gen = 0;
+    Status s = SeqWrite(seg.data, seg.size, capacity, src.data, src.size, static_cast<uint32_t>(dtype), shape, &gen);
+    if (!s.ok()) Throw(env, s);
+    return Napi::BigInt::New(env, gen);
+  }
+
+  Napi::Value SeqCheckJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    uint64_t gen = U64Arg(info, 1);
+    return Napi::Boolean::New(info.Env(), SeqCheck(seg.data, seg.size, gen));
+  }
+
+  Napi::Value SeqCopyJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    std::string expect = info.Length() > 1 && info[1].IsString() ? info[1].As<Napi::String>().Utf8Value() : "";
+    Bytes dst = U8Arg(info, 2);
+    uint32_t attempts = info.Length() > 3 && info[3].IsNumber() ? info[3].As<Napi::Number>().Uint32Value() : 0;
+    Meta m;
+    Status s = SeqCopy(seg.data, seg.size, expect, dst.data, dst.size, attempts, &m);
+    if (!s.ok()) Throw(info.Env(), s);
+    return MetaToJs(info.Env(), m);
+  }
+
+  Napi::Value SetStateJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    Status s = SetState(seg.data, seg.size, static_cast<uint32_t>(I32Arg(info, 1)));
+    if (!s.ok()) Throw(info.Env(), s);
+    return info.Env().Undefined();
+  }
+
+  Napi::Value LoadStateJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    return Napi::Number::New(info.Env(), LoadState(seg.data, seg.size));
+  }
+
+  Napi::Value ImporterAddJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    bool live = false;
+    Status s = ImporterAdd(seg.data, seg.size, &live);
+    if (!s.ok()) Throw(info.Env(), s);
+    return Napi::Boolean::New(info.Env(), live);
+  }
+
+  Napi::Value ImporterRemoveJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    uint32_t remaining = 0;
+    Status s = ImporterRemove(seg.data, seg.size, &remaining);
+    if (!s.ok()) Throw(info.Env(), s);
+    return Napi::Number::New(info.Env(), remaining);
+  }
+
+  Napi::Value ImportersJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    return Napi::Number::New(info.Env(), LoadImporters(seg.data, seg.size));
+  }
+
+  Napi::Value GrantEnterJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    Bytes token = U8Arg(info, 1);
+    return Napi::Number::New(info.Env(), GrantEnter(seg.data, seg.size, token.data, token.size));
+  }
+
+  Napi::Value GrantLeaveJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    GrantLeave(seg.data, seg.size);
+    return info.Env().Undefined();
+  }
+
+  Napi::Value GrantActiveJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    return Napi::Number::New(info.Env(), GrantActive(seg.data, seg.size));
+  }
+
+  Napi::Value GrantRevokeJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    Status s = GrantRevoke(seg.data, seg.size);
+    if (!s.ok()) Throw(info.Env(), s);
+    return info.Env().Undefined();
+  }
+
+  // ---- CUDA ----
+
+  Napi::Value CudaProbe(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    cuda_->Probe();
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("available", cuda_->available());
+    o.Set("reason", cuda_->reason());
+    o.Set("driverVersion", cuda_->driver_version());
+    o.Set("deviceCount", cuda_->device_count());
+    Napi::Array names = Napi::Array::New(env, cuda_->device_count());
+    for (int i = 0; i < cuda_->device_count(); i++) names.Set(static_cast<uint32_t>(i), cuda_->DeviceName(i));
+    o.Set("devices", names);
+    return o;
+  }
+
+  int DeviceArg(const Napi::CallbackInfo& info, size_t i) {
+    int32_t d = I32Arg(info, i);
+    if (d < 0) ThrowInvalid(info.Env(), "device must be >= 0");
+    cuda_->Probe();
+    if (!cuda_->available()) Throw(info.Env(), Status::Fail(kBackendUnavailable, cuda_->reason()));
+    return d;
+  }
+
+  Napi::Value Queue(CudaWorker* w) {
+    Napi::Promise p = w->Promise();
+    w->Queue();
+    return p;
+  }
+
+  Napi::Value CudaAlloc(const Napi::CallbackInfo& info) {
+    int device = DeviceArg(info, 0);
+    uint64_t bytes = U64Arg(info, 1);
+    if (bytes == 0 || bytes > kMaxSegmentBytes) ThrowInvalid(info.Env(), "allocation size is out of range");
+    auto drv = cuda_;
+    auto ptr = std::make_shared<CUdeviceptr>(0);
+    return Queue(new CudaWorker(
+        info.Env(), [drv, device, bytes, ptr] { return drv->Alloc(device, static_cast<size_t>(bytes), ptr.get()); },
+        [ptr](Napi::Env env) -> Napi::Value { return Napi::BigInt::New(env, static_cast<uint64_t>(*ptr)); }));
+  }
+
+  Napi::Value CudaExport(const Napi::CallbackInfo& info) {
+    int device = DeviceArg(info, 0);
+    CUdeviceptr p = U64Arg(info, 1);
+    auto drv = cuda_;
+    struct Out {
+      CUipcMemHandle handle;
+      CUdeviceptr base = 0;
+      size_t size = 0;
+    };
+    auto out = std::make_shared<Out>();
+    return Queue(new CudaWorker(
+        info.Env(), [drv, device, p, out] { return drv->Export(device, p, &out->handle, &out->base, &out->size); },
+        [out, p](Napi::Env env) -> Napi::Value {
+          Napi::Object o = Napi::Object::New(env);
+          o.Set("handle", Napi::Buffer<uint8_t>::Copy(env, reinterpret_cast<const uint8_t*>(out->handle.reserved), 64));
+          o.Set("base", Napi::BigInt::New(env, static_cast<uint64_t>(out->base)));
+          o.Set("offset", Napi::Number::New(env, static_cast<double>(p - out->base)));
+          o.Set("allocSize", Napi::Number::New(env, static_cast<double>(out->size)));
+          return o;
+        }));
+  }
+
+  Napi::Value CudaFree(const Napi::CallbackInfo& info) {
+    int device = DeviceArg(info, 0);
+    CUdeviceptr p = U64Arg(info, 1);
+    auto drv = cuda_;
+    return Queue(new CudaWorker(info.Env(), [drv, device, p] { return drv->Free(device, p); }, nullptr));
+  }
+
+  Napi::Value CudaImport(const Napi::CallbackInfo& info) {
+    int device = DeviceArg(info, 0);
+    Bytes h = U8Arg(info, 1);
+    if (h.size != kIpcHandleBytes) ThrowInvalid(info.Env(), "an IPC handle is 64 bytes");
+    CUipcMemHandle handle;
+    std::memcpy(handle.reserved, h.data, kIpcHandleBytes);
+    auto drv = cuda_;
+    auto ptr = std::make_shared<CUdeviceptr>(0);
+    return Queue(new CudaWorker(
+        info.Env(), [drv, device, handle, ptr] { return drv->Import(device, handle, ptr.get()); },
+        [ptr](Napi::Env env) -> Napi::Value { return Napi::BigInt::New(env, static_cast<uint64_t>(*ptr)); }));
+  }
+
+  Napi::Value CudaCloseImport(const Napi::CallbackInfo& info) {
+    int device = DeviceArg(info, 0);
+    CUdeviceptr p = U64Arg(info, 1);
+    auto drv = cuda_;
+    return Queue(new CudaWorker(info.Env(), [drv, device, p] { return drv->CloseImport(device, p); }, nullptr));
+  }
+
+  // cudaCopy(op, device, dst, src, length): op 'h2d' (dst bigint, src Uint8Array),
+  // 'd2h' (dst Uint8Array, src bigint), 'd2d' (both bigint). Host buffers stay referenced
+  // until the copy has completed on the stream.
+  Napi::Value CudaCopy(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    std::string op = StrArg(info, 0);
+    int device = DeviceArg(info, 1);
+    uint64_t n = U64Arg(info, 4);
+    auto drv = cuda_;
+    CudaWorker* w = nullptr;
+    if (op == "h2d") {
+      CUdeviceptr dst = U64Arg(info, 2);
+      Bytes src = U8Arg(info, 3);
+      if (n > src.size) ThrowInvalid(env, "copy length exceeds the source buffer");
+      const void* sp = src.data;
+      w = new CudaWorker(env, [drv, device, dst, sp, n] { return drv->CopyHtoD(device, dst, sp, static_cast<size_t>(n)); }, nullptr);
+      w->Keep(info[3]);
+    } else if (op == "d2h") {
+      Bytes dst = U8Arg(info, 2);
+      CUdeviceptr src = U64Arg(info, 3);
+      if (n > dst.size) ThrowInvalid(env, "copy length exceeds the destination buffer");
+      void* dp = dst.data;
+      w = new CudaWorker(env, [drv, device, dp, src, n] { return drv->CopyDtoH(device, dp, src, static_cast<size_t>(n)); }, nullptr);
+      w->Keep(info[2]);
+    } else if (op == "d2d") {
+      CUdeviceptr dst = U64Arg(info, 2);
+      CUdeviceptr src = U64Arg(info, 3);
+      w = new CudaWorker(env, [drv, device, dst, src, n] { return drv->CopyDtoD(device, dst, src, static_cast<size_t>(n)); }, nullptr);
+    } else {
+      ThrowInvalid(env, "copy op must be h2d, d2h or d2d");
+    }
+    return Queue(w);
+  }
+
+  Napi::Value CudaHostRegister(const Napi::CallbackInfo& info) {
+    Bytes b = U8Arg(info, 0);
+    cuda_->Probe();
+    if (!cuda_->available()) Throw(info.Env(), Status::Fail(kBackendUnavailable, cuda_->reason()));
+    auto drv = cuda_;
+    void* p = b.data;
+    size_t n = b.size;
+    CudaWorker* w = new CudaWorker(info.Env(), [drv, p, n] { return drv->HostRegister(p, n); }, nullptr);
+    w->Keep(info[0]);
+    return Queue(w);
+  }
+
+  Napi::Value CudaHostUnregister(const Napi::CallbackInfo& info) {
+    Bytes b = U8Arg(info, 0);
+    cuda_->Probe();
+    if (!cuda_->available()) Throw(info.Env(), Status::Fail(kBackendUnavailable, cuda_->reason()));
+    auto drv = cuda_;
+    void* p = b.data;
+    CudaWorker* w = new CudaWorker(info.Env(), [drv, p] { return drv->HostUnregister(p); }, nullptr);
+    w->Keep(info[0]);
+    return Queue(w);
+  }
+
+  std::shared_ptr<CudaDriver> cuda_;
+  std::set<std::string> created_;
+};
+
+}  // namespace
+}  // namespace tw
+
+using TensorwireCudaIpcAddon = tw::Addon;
+NODE_API_ADDON(TensorwireCudaIpcAddon)

@@ -1,0 +1,84 @@
+// Segment header layout shared by every tensorwire shared-memory segment.
+//
+// All integers are host-endian (segments never leave the host). The header occupies
+// the first kHeaderSize bytes; host data (pool slots) starts at kDataOffset.
+//
+//   off  size  field
+//     0     8  magic            "TWSEG\0\0\1" — release-stored last by the creator
+//     8     4  version          1
+//    12     4  kind             1 pool slot, 2 grant, 3 node presence
+//    16     4  header_size      4096
+//    20     4  reserved
+//    24     8  data_offset      4096 (pool host slots), 0 otherwise
+//    32     8  capacity         bytes of the slot (host: segment size - data_offset)
+//    40     4  owner_pid
+//    44     4  device           -1 host, N = cuda:N
+//    48     8  owner_start      owner's start time (/proc/<pid>/stat field 22), pid-reuse guard
+//    56     8  ipc_offset       offset of the data inside its CUDA allocation
+//    64    64  ipc_handle       CUipcMemHandle
+//   128     8  generation       seqlock (atomic): odd while a write is in progress
+//   136     4  state            (atomic) 0 initialising, 1 live, 2 freed / revoked / closed
+//   140     4  importers        (atomic) processes holding an imported CUDA IPC handle
+//   144     4  active           (atomic) grant: copies in flight
+//   192     8  byte_length      } seqlock-protected tensor metadata
+//   200     4  dtype            }
+//   204     4  ndim             }
+//   208    64  shape[8]         }
+//   320     1  id_length
+//   321   255  id               whole owner-namespaced id (pool / grant / node)
+//  1024  3072  ext              kind-specific, immutable once state is live
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace tw {
+
+constexpr uint64_t kMagic = 0x5457534547000001ull;  // "TWSEG" + format 1
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kHeaderSize = 4096;
+constexpr uint64_t kDataOffset = 4096;
+constexpr uint32_t kMaxNdim = 8;
+constexpr uint32_t kMaxDtype = 13;
+constexpr size_t kMaxIdLength = 255;
+constexpr size_t kMaxNameLength = 200;
+constexpr uint64_t kMaxSegmentBytes = 1ull << 40;  // 1 TiB hard cap
+
+enum Kind : uint32_t { kKindPool = 1, kKindGrant = 2, kKindNode = 3 };
+enum State : uint32_t { kStateInit = 0, kStateLive = 1, kStateDead = 2 };
+
+namespace off {
+constexpr size_t magic = 0;
+constexpr size_t version = 8;
+constexpr size_t kind = 12;
+constexpr size_t header_size = 16;
+constexpr size_t data_offset = 24;
+constexpr size_t capacity = 32;
+constexpr size_t owner_pid = 40;
+constexpr size_t device = 44;
+constexpr size_t owner_start = 48;
+constexpr size_t ipc_offset = 56;
+constexpr size_t ipc_handle = 64;
+constexpr size_t generation = 128;
+constexpr size_t state = 136;
+constexpr size_t importers = 140;
+constexpr size_t active = 144;
+constexpr size_t byte_length = 192;
+constexpr size_t dtype = 200;
+constexpr size_t ndim = 204;
+constexpr size_t shape = 208;
+constexpr size_t id_length = 320;
+constexpr size_t id = 321;
+constexpr size_t ext = 1024;
+// grant ext
+constexpr size_t grant_token = ext + 0;        // 16 bytes
+constexpr size_t grant_target = ext + 16;      // u32: 0 host segment, 1 cuda
+constexpr size_t grant_offset = ext + 24;      // u64 offset in the target segment / allocation
+constexpr size_t grant_length = ext + 32;      // u64
+constexpr size_t grant_name_len = ext + 40;    // u8
+constexpr size_t grant_name = ext + 41;        // up to 200 bytes: host data segment name
+}  // namespace off
+
+constexpr size_t kTokenBytes = 16;
+constexpr size_t kIpcHandleBytes = 64;
+
+}  // namespace tw

@@ -1,0 +1,527 @@
+#include "shm.h"
+
+#include <fcntl.h>
+#include <sched.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace tw {
+
+const char* const kInvalidInput = "TW_INVALID_INPUT";
+const char* const kResourceExhausted = "TW_RESOURCE_EXHAUSTED";
+const char* const kRemoteRejected = "TW_REMOTE_REJECTED";
+const char* const kTimedOut = "TW_TIMED_OUT";
+const char* const kBackendUnavailable = "TW_BACKEND_UNAVAILABLE";
+const char* const kClosed = "TW_CLOSED";
+
+Status Status::Errno(const char* c, const std::string& what, const char* call, int e) {
+  Status s;
+  s.code = c;
+  s.err = e;
+  s.syscall = call;
+  s.message = what + ": " + call + " failed: " + std::strerror(e);
+  return s;
+}
+
+namespace {
+
+// Every multi-byte header field is read and written through these, at fixed offsets that
+// are checked against the mapping size first. memcpy keeps the accesses alignment-safe.
+template <typename T>
+T Load(const uint8_t* base, size_t offset) {
+  T v;
+  std::memcpy(&v, base + offset, sizeof(T));
+  return v;
+}
+template <typename T>
+void Store(uint8_t* base, size_t offset, T v) {
+  std::memcpy(base + offset, &v, sizeof(T));
+}
+template <typename T>
+T* AtomicAt(const uint8_t* base, size_t offset) {
+  return reinterpret_cast<T*>(const_cast<uint8_t*>(base) + offset);
+}
+
+inline void CpuRelax(uint32_t i) {
+  if (i < 64) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield" ::: "memory");
+#endif
+  } else {
+    sched_yield();
+  }
+}
+
+bool Aligned(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
+bool IdCharsOk(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    uint8_t c = p[i];
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' ||
+              c == ':';
+    if (!ok) return false;
+  }
+  return true;
+}
+
+Status BasicChecks(const uint8_t* base, size_t size) {
+  if (base == nullptr) return Status::Fail(kInvalidInput, "segment is not mapped");
+  if (!Aligned(base)) return Status::Fail(kInvalidInput, "segment mapping is not 8-byte aligned");
+  if (size < kHeaderSize) {
+    return Status::Fail(kInvalidInput, "segment of " + std::to_string(size) + " bytes is smaller than the " +
+                                           std::to_string(kHeaderSize) + "-byte header");
+  }
+  uint64_t magic = __atomic_load_n(AtomicAt<uint64_t>(base, off::magic), __ATOMIC_ACQUIRE);
+  if (magic != kMagic) return Status::Fail(kInvalidInput, "segment header has a bad magic (not a tensorwire segment, or not initialised)");
+  return Status::Ok();
+}
+
+// Validate the seqlock-protected tensor metadata of a consistent snapshot.
+Status CheckTensorMeta(const Meta& m) {
+  if (m.dtype == 0 || m.dtype > kMaxDtype) {
+    return Status::Fail(kInvalidInput, "segment header: dtype code " + std::to_string(m.dtype) + " is unknown");
+  }
+  if (m.ndim > kMaxNdim) {
+    return Status::Fail(kInvalidInput, "segment header: ndim " + std::to_string(m.ndim) + " exceeds " + std::to_string(kMaxNdim));
+  }
+  if (m.byte_length > m.capacity) {
+    return Status::Fail(kInvalidInput, "segment header: byteLength " + std::to_string(m.byte_length) +
+                                           " exceeds the slot capacity " + std::to_string(m.capacity));
+  }
+  uint64_t elems = 1;
+  for (uint32_t i = 0; i < m.ndim; i++) {
+    uint64_t d = m.shape[i];
+    if (d != 0 && elems > kMaxSegmentBytes / d) {
+      return Status::Fail(kInvalidInput, "segment header: shape overflows");
+    }
+    elems *= d;
+  }
+  uint64_t item = DtypeSize(m.dtype);
+  if (elems > kMaxSegmentBytes / item || elems * item != m.byte_length) {
+    return Status::Fail(kInvalidInput, "segment header: shape and dtype do not match byteLength " + std::to_string(m.byte_length));
+  }
+  return Status::Ok();
+}
+
+// Read the seqlock-protected fields (no validation).
+void ReadTensorFields(const uint8_t* base, Meta* m) {
+  m->byte_length = Load<uint64_t>(base, off::byte_length);
+  m->dtype = Load<uint32_t>(base, off::dtype);
+  m->ndim = Load<uint32_t>(base, off::ndim);
+  for (uint32_t i = 0; i < kMaxNdim; i++) m->shape[i] = Load<uint64_t>(base, off::shape + 8 * i);
+}
+
+Status DecodeStatic(const uint8_t* base, size_t size, uint32_t require_kind, const std::string& expect_id, Meta* m) {
+  Status s = BasicChecks(base, size);
+  if (!s.ok()) return s;
+  m->version = Load<uint32_t>(base, off::version);
+  if (m->version != kVersion) {
+    return Status::Fail(kInvalidInput, "segment header version " + std::to_string(m->version) + " is not supported");
+  }
+  m->kind = Load<uint32_t>(base, off::kind);
+  if (m->kind < kKindPool || m->kind > kKindNode) {
+    return Status::Fail(kInvalidInput, "segment header: kind " + std::to_string(m->kind) + " is unknown");
+  }
+  if (require_kind != 0 && m->kind != require_kind) {
+    return Status::Fail(kInvalidInput, "segment header: kind " + std::to_string(m->kind) + ", expected " +
+                                           std::to_string(require_kind));
+  }
+  m->header_size = Load<uint32_t>(base, off::header_size);
+  if (m->header_size != kHeaderSize) {
+    return Status::Fail(kInvalidInput, "segment header: headerSize " + std::to_string(m->header_size) + " is not " +
+                                           std::to_string(kHeaderSize));
+  }
+  m->data_offset = Load<uint64_t>(base, off::data_offset);
+  m->capacity = Load<uint64_t>(base, off::capacity);
+  m->device = Load<int32_t>(base, off::device);
+  if (m->device < -1 || m->device > 1023) {
+    return Status::Fail(kInvalidInput, "segment header: device " + std::to_string(m->device) + " is out of range");
+  }
+  if (m->kind == kKindPool) {
+    if (m->device == -1) {
+      if (m->data_offset != kDataOffset) {
+        return Status::Fail(kInvalidInput, "segment header: dataOffset " + std::to_string(m->data_offset) + " is not " +
+                                               std::to_string(kDataOffset));
+      }
+      // The capacity must be exactly what the mapping (sized by fstat) holds after the header.
+      if (m->capacity == 0 || m->capacity != size - kDataOffset) {
+        return Status::Fail(kInvalidInput, "segment header: capacity " + std::to_string(m->capacity) +
+                                               " does not match the segment size " + std::to_string(size));
+      }
+    } else {
+      if (m->data_offset != 0 || size != kHeaderSize) {
+        return Status::Fail(kInvalidInput, "segment header: a cuda slot header must have dataOffset 0 and no host data");
+      }
+      if (m->capacity == 0 || m->capacity > kMaxSegmentBytes) {
+        return Status::Fail(kInvalidInput, "segment header: capacity " + std::to_string(m->capacity) + " is out of range");
+      }
+    }
+  } else if (m->data_offset != 0 || m->capacity > kMaxSegmentBytes) {
+    return Status::Fail(kInvalidInput, "segment header: dataOffset/capacity invalid for this kind");
+  }
+  m->owner_pid = Load<uint32_t>(base, off::owner_pid);
+  if (m->owner_pid == 0 || m->owner_pid > 0x3fffffffu) {
+    return Status::Fail(kInvalidInput, "segment header: owner pid " + std::to_string(m->owner_pid) + " is invalid");
+  }
+  m->owner_start = Load<uint64_t>(base, off::owner_start);
+  m->ipc_offset = Load<uint64_t>(base, off::ipc_offset);
+  if (m->ipc_offset > kMaxSegmentBytes) return Status::Fail(kInvalidInput, "segment header: ipc offset is out of range");
+  std::memcpy(m->ipc_handle, base + off::ipc_handle, kIpcHandleBytes);
+  uint8_t idlen = base[off::id_length];
+  if (idlen == 0 || !IdCharsOk(base + off::id, idlen)) {
+    return Status::Fail(kInvalidInput, "segment header: id is empty or has invalid characters");
+  }
+  m->id.assign(reinterpret_cast<const char*>(base + off::id), idlen);
+  if (!expect_id.empty() && m->id != expect_id) {
+    return Status::Fail(kInvalidInput, "segment header names " + m->id + ", expected " + expect_id);
+  }
+  m->state = __atomic_load_n(AtomicAt<uint32_t>(base, off::state), __ATOMIC_ACQUIRE);
+  m->importers = __atomic_load_n(AtomicAt<uint32_t>(base, off::importers), __ATOMIC_RELAXED);
+  return Status::Ok();
+}
+
+// Seqlock read of the tensor metadata plus an optional data copy. `dst` may be null.
+Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t dst_len, uint32_t max_attempts) {
+  const uint64_t* gen = AtomicAt<uint64_t>(base, off::generation);
+  Meta snap = *m;
+  for (uint32_t attempt = 0; attempt < max_attempts; attempt++) {
+    // Acquire: nothing below (metadata and data reads) moves above this load.
+    uint64_t g1 = __atomic_load_n(gen, __ATOMIC_ACQUIRE);
+    if (g1 & 1u) {
+      CpuRelax(attempt);
+      continue;
+    }
+    ReadTensorFields(base, &snap);
+    // Validate before using any size: a torn or hostile header must not drive the copy.
+    Status s = CheckTensorMeta(snap);
+    bool copy_ok = s.ok() && dst != nullptr && snap.byte_length <= dst_len &&
+                   snap.byte_length <= size - kDataOffset;
+    if (copy_ok) std::memcpy(dst, base + kDataOffset, snap.byte_length);
+    // Acquire fence: the reads above complete before the re-check below.
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t g2 = __atomic_load_n(gen, __ATOMIC_RELAXED);
+    if (g1 != g2) {
+      CpuRelax(attempt);
+      continue;
+    }
+    if (!s.ok()) return s;  // consistent and still invalid: the header is bad, not torn
+    if (dst != nullptr && !copy_ok) {
+      return Status::Fail(kInvalidInput, "destination of " + std::to_string(dst_len) + " bytes is smaller than the tensor (" +
+                                             std::to_string(snap.byte_length) + " bytes)");
+    }
+    snap.generation = g1;
+    *m = snap;
+    return Status::Ok();
+  }
+  return Status::Fail(kTimedOut, "segment stayed write-locked (a writer is busy or died mid-write)");
+}
+
+}  // namespace
+
+std::string NameProblem(const std::string& name) {
+  if (name.size() < 6) return "segment name is too short";
+  if (name.size() > kMaxNameLength) return "segment name is longer than " + std::to_string(kMaxNameLength) + " bytes";
+  if (name.compare(0, 4, "/tw-") != 0) return "segment name must start with /tw-";
+  for (size_t i = 1; i < name.size(); i++) {
+    char c = name[i];
+    if (c == '/') return "segment name may not contain '/' after the leading one";
+    bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_' || c == '-' || c == '.';
+    if (!ok) return "segment name contains a character outside [A-Za-z0-9._-]";
+  }
+  if (name.find("..") != std::string::npos) return "segment name may not contain '..'";
+  return "";
+}
+
+size_t DtypeSize(uint32_t dtype) {
+  // 1 uint8, 2 int8, 3 uint16, 4 int16, 5 uint32, 6 int32, 7 float16, 8 bfloat16,
+  // 9 float32, 10 float64, 11 int64, 12 uint64, 13 bool
+  static const uint8_t sizes[kMaxDtype + 1] = {0, 1, 1, 2, 2, 4, 4, 2, 2, 4, 8, 8, 8, 1};
+  return dtype <= kMaxDtype ? sizes[dtype] : 0;
+}
+
+Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p, Mapping* out) {
+  std::string problem = NameProblem(name);
+  if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
+  if (size < kHeaderSize || size > kMaxSegmentBytes) {
+    return Status::Fail(kInvalidInput, "segment size " + std::to_string(size) + " is out of range");
+  }
+  if (p.id.empty() || p.id.size() > kMaxIdLength || !IdCharsOk(reinterpret_cast<const uint8_t*>(p.id.data()), p.id.size())) {
+    return Status::Fail(kInvalidInput, "segment id is empty, too long or has invalid characters");
+  }
+  if (p.shape.size() > kMaxNdim) return Status::Fail(kInvalidInput, "too many dimensions");
+  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::Errno(errno == EEXIST ? kResourceExhausted : kInvalidInput, "create " + name, "shm_open", errno);
+  auto fail = [&](const char* code, const char* call, int e) {
+    Status s = Status::Errno(code, "create " + name, call, e);
+    close(fd);
+    shm_unlink(name.c_str());
+    return s;
+  };
+  if (fchmod(fd, 0600) != 0) return fail(kInvalidInput, "fchmod", errno);
+  if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    int e = errno;
+    return fail(e == ENOSPC || e == EFBIG ? kResourceExhausted : kInvalidInput, "ftruncate", e);
+  }
+  // Reserve the pages now: on tmpfs a later write to an unreserved page of a full /dev/shm
+  // raises SIGBUS instead of an error.
+  int fe = posix_fallocate(fd, 0, static_cast<off_t>(size));
+  if (fe != 0 && fe != EOPNOTSUPP && fe != EINVAL) {
+    return fail(fe == ENOSPC || fe == ENOMEM ? kResourceExhausted : kInvalidInput, "posix_fallocate", fe);
+  }
+  void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (addr == MAP_FAILED) {
+    int e = errno;
+    return fail(e == ENOMEM ? kResourceExhausted : kInvalidInput, "mmap", e);
+  }
+  close(fd);
+  uint8_t* base = static_cast<uint8_t*>(addr);
+  std::memset(base, 0, kHeaderSize);
+  Store<uint32_t>(base, off::version, kVersion);
+  Store<uint32_t>(base, off::kind, p.kind);
+  Store<uint32_t>(base, off::header_size, kHeaderSize);
+  Store<uint64_t>(base, off::data_offset, p.data_offset);
+  Store<uint64_t>(base, off::capacity, p.capacity);
+  Store<uint32_t>(base, off::owner_pid, p.owner_pid);
+  Store<int32_t>(base, off::device, p.device);
+  Store<uint64_t>(base, off::owner_start, p.owner_start);
+  Store<uint64_t>(base, off::ipc_offset, p.ipc_offset);
+  if (p.has_ipc_handle) std::memcpy(base + off::ipc_handle, p.ipc_handle, kIpcHandleBytes);
+  Store<uint64_t>(base, off::byte_length, p.byte_length);
+  Store<uint32_t>(base, off::dtype, p.dtype);
+  Store<uint32_t>(base, off::ndim, static_cast<uint32_t>(p.shape.size()));
+  for (size_t i = 0; i < p.shape.size(); i++) Store<uint64_t>(base, off::shape + 8 * i, p.shape[i]);
+  base[off::id_length] = static_cast<uint8_t>(p.id.size());
+  std::memcpy(base + off::id, p.id.data(), p.id.size());
+  // Publish: a reader that sees the magic (acquire) sees every field above.
+  __atomic_store_n(AtomicAt<uint64_t>(base, off::magic), kMagic, __ATOMIC_RELEASE);
+  out->addr = addr;
+  out->size = size;
+  return Status::Ok();
+}
+
+Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out) {
+  std::string problem = NameProblem(name);
+  if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
+  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) return Status::Errno(kInvalidInput, "open " + name, "shm_open", errno);
+  struct stat st;
+  if (fstat(fd, &st) != 0) {
+    int e = errno;
+    close(fd);
+    return Status::Errno(kInvalidInput, "open " + name, "fstat", e);
+  }
+  auto refuse = [&](const std::string& why) {
+    close(fd);
+    return Status::Fail(kInvalidInput, "segment " + name + " " + why);
+  };
+  if (!S_ISREG(st.st_mode)) return refuse("is not a regular shared-memory object");
+  if (st.st_uid != geteuid()) return refuse("belongs to uid " + std::to_string(st.st_uid) + ", not to this user");
+  if ((st.st_mode & 0077) != 0) return refuse("is accessible to other users (mode must be 0600)");
+  uint64_t size = static_cast<uint64_t>(st.st_size);
+  if (size < kHeaderSize) return refuse("is smaller than its header (not initialised yet, or truncated)");
+  if (size > max_size || size > kMaxSegmentBytes) return refuse("is larger than the allowed " + std::to_string(max_size) + " bytes");
+  void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  int e = errno;
+  close(fd);
+  if (addr == MAP_FAILED) return Status::Errno(e == ENOMEM ? kResourceExhausted : kInvalidInput, "open " + name, "mmap", e);
+  out->addr = addr;
+  out->size = size;
+  return Status::Ok();
+}
+
+Status UnlinkSegment(const std::string& name, bool* existed) {
+  std::string problem = NameProblem(name);
+  if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
+  *existed = true;
+  if (shm_unlink(name.c_str()) != 0) {
+    if (errno == ENOENT) {
+      *existed = false;
+      return Status::Ok();
+    }
+    return Status::Errno(kInvalidInput, "unlink " + name, "shm_unlink", errno);
+  }
+  return Status::Ok();
+}
+
+Status DecodeHeader(const uint8_t* base, size_t size, uint32_t require_kind, const std::string& expect_id, Meta* out) {
+  Meta m;
+  Status s = DecodeStatic(base, size, require_kind, expect_id, &m);
+  if (!s.ok()) return s;
+  if (m.kind == kKindPool) {
+    s = SeqRead(base, size, &m, nullptr, 0, 100000);
+    if (!s.ok()) return s;
+  } else {
+    m.generation = __atomic_load_n(AtomicAt<uint64_t>(base, off::generation), __ATOMIC_ACQUIRE);
+  }
+  *out = m;
+  return Status::Ok();
+}
+
+Status SeqCopy(const uint8_t* base, size_t size, const std::string& expect_id, uint8_t* dst, size_t dst_len,
+               uint32_t max_attempts, Meta* out) {
+  Meta m;
+  Status s = DecodeStatic(base, size, kKindPool, expect_id, &m);
+  if (!s.ok()) return s;
+  if (m.device != -1) return Status::Fail(kInvalidInput, "slot " + m.id + " holds cuda memory, not host memory");
+  if (m.state != kStateLive) return Status::Fail(kClosed, "slot " + m.id + " was freed by its owner");
+  s = SeqRead(base, size, &m, dst, dst_len, max_attempts == 0 ? 100000 : max_attempts);
+  if (!s.ok()) return s;
+  *out = m;
+  return Status::Ok();
+}
+
+Status SeqWrite(uint8_t* base, size_t size, uint64_t owner_capacity, const uint8_t* src, size_t len, uint32_t dtype,
+                const std::vector<uint64_t>& shape, uint64_t* generation_out) {
+  Meta m;
+  Status s = DecodeStatic(base, size, kKindPool, "", &m);
+  if (!s.ok()) return s;
+  if (m.device != -1) return Status::Fail(kInvalidInput, "slot " + m.id + " holds cuda memory; use a device copy");
+  // The owner's capacity (what it allocated) is the truth; the header must agree.
+  if (m.capacity != owner_capacity || owner_capacity != size - kDataOffset) {
+    return Status::Fail(kInvalidInput, "segment header: capacity " + std::to_string(m.capacity) +
+                                           " differs from the owner's " + std::to_string(owner_capacity) + " (tampered header)");
+  }
+  if (m.state != kStateLive) return Status::Fail(kClosed, "slot " + m.id + " is not live");
+  Meta nm = m;
+  nm.byte_length = len;
+  nm.dtype = dtype;
+  nm.ndim = static_cast<uint32_t>(shape.size());
+  if (shape.size() > kMaxNdim) return Status::Fail(kInvalidInput, "too many dimensions");
+  for (size_t i = 0; i < shape.size(); i++) nm.shape[i] = shape[i];
+  s = CheckTensorMeta(nm);
+  if (!s.ok()) return Status::Fail(kInvalidInput, "write of " + std::to_string(len) + " bytes: " + s.message);
+
+  uint64_t* gen = AtomicAt<uint64_t>(base, off::generation);
+  uint64_t g = __atomic_load_n(gen, __ATOMIC_RELAXED);
+  uint32_t spins = 0;
+  for (;;) {
+    if ((g & 1u) == 0 &&
+        __atomic_compare_exchange_n(gen, &g, g + 1, false, __ATOMIC_ACQUIRE, __ATOMIC_RELAXED)) {
+      break;
+    }
+    if (++spins > 200000) return Status::Fail(kTimedOut, "slot " + m.id + " is write-locked by another writer");
+    CpuRelax(spins);
+    g = __atomic_load_n(gen, __ATOMIC_RELAXED);
+  }
+  // Release fence: the odd generation is ordered before every data store below
+  // (Boehm, "Can seqlocks get along with programming language memory models?").
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  std::memcpy(base + kDataOffset, src, len);
+  Store<uint64_t>(base, off::byte_length, nm.byte_length);
+  Store<uint32_t>(base, off::dtype, nm.dtype);
+  Store<uint32_t>(base, off::ndim, nm.ndim);
+  for (uint32_t i = 0; i < kMaxNdim; i++) Store<uint64_t>(base, off::shape + 8 * i, i < nm.ndim ? nm.shape[i] : 0);
+  // Publish with release: a reader that acquires g + 2 sees all of the above.
+  __atomic_store_n(gen, g + 2, __ATOMIC_RELEASE);
+  *generation_out = g + 2;
+  return Status::Ok();
+}
+
+bool SeqCheck(const uint8_t* base, size_t size, uint64_t generation) {
+  if (base == nullptr || size < kHeaderSize || !Aligned(base)) return false;
+  // The caller's data reads happened before this call; the fence keeps them before the load.
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  uint64_t g = __atomic_load_n(AtomicAt<uint64_t>(base, off::generation), __ATOMIC_RELAXED);
+  if (g != generation) return false;
+  return __atomic_load_n(AtomicAt<uint32_t>(base, off::state), __ATOMIC_ACQUIRE) == kStateLive;
+}
+
+Status SetState(uint8_t* base, size_t size, uint32_t state) {
+  Status s = BasicChecks(base, size);
+  if (!s.ok()) return s;
+  if (state > kStateDead) return Status::Fail(kInvalidInput, "unknown state");
+  __atomic_store_n(AtomicAt<uint32_t>(base, off::state), state, __ATOMIC_SEQ_CST);
+  return Status::Ok();
+}
+
+uint32_t LoadState(const uint8_t* base, size_t size) {
+  if (!BasicChecks(base, size).ok()) return kStateDead;
+  return __atomic_load_n(AtomicAt<uint32_t>(base, off::state), __ATOMIC_SEQ_CST);
+}
+
+Status ImporterAdd(uint8_t* base, size_t size, bool* live) {
+  Status s = BasicChecks(base, size);
+  if (!s.ok()) return s;
+  uint32_t* imp = AtomicAt<uint32_t>(base, off::importers);
+  __atomic_fetch_add(imp, 1u, __ATOMIC_SEQ_CST);
+  *live = __atomic_load_n(AtomicAt<uint32_t>(base, off::state), __ATOMIC_SEQ_CST) == kStateLive;
+  if (!*live) {
+    uint32_t r;
+    ImporterRemove(base, size, &r);
+  }
+  return Status::Ok();
+}
+
+Status ImporterRemove(uint8_t* base, size_t size, uint32_t* remaining) {
+  Status s = BasicChecks(base, size);
+  if (!s.ok()) return s;
+  uint32_t* imp = AtomicAt<uint32_t>(base, off::importers);
+  uint32_t cur = __atomic_load_n(imp, __ATOMIC_RELAXED);
+  do {
+    if (cur == 0) {
+      *remaining = 0;
+      return Status::Ok();
+    }
+  } while (!__atomic_compare_exchange_n(imp, &cur, cur - 1, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED));
+  *remaining = cur - 1;
+  return Status::Ok();
+}
+
+uint32_t LoadImporters(const uint8_t* base, size_t size) {
+  if (!BasicChecks(base, size).ok()) return 0;
+  return __atomic_load_n(AtomicAt<uint32_t>(base, off::importers), __ATOMIC_SEQ_CST);
+}
+
+GrantResult GrantEnter(uint8_t* base, size_t size, const uint8_t* token, size_t token_len) {
+  if (!BasicChecks(base, size).ok() || Load<uint32_t>(base, off::kind) != kKindGrant) return kGrantNotGrant;
+  uint32_t* active = AtomicAt<uint32_t>(base, off::active);
+  __atomic_fetch_add(active, 1u, __ATOMIC_SEQ_CST);
+  // seq_cst pairs with GrantRevoke's store: either revoke sees active > 0 and waits, or we
+  // see the revoked state here and back out.
+  uint32_t state = __atomic_load_n(AtomicAt<uint32_t>(base, off::state), __ATOMIC_SEQ_CST);
+  if (state != kStateLive) {
+    __atomic_fetch_sub(active, 1u, __ATOMIC_SEQ_CST);
+    return kGrantRevoked;
+  }
+  uint8_t diff = token_len == kTokenBytes ? 0 : 1;
+  for (size_t i = 0; i < kTokenBytes; i++) {
+    uint8_t t = __atomic_load_n(base + off::grant_token + i, __ATOMIC_RELAXED);
+    diff |= static_cast<uint8_t>(t ^ (i < token_len ? token[i] : 0));
+  }
+  if (diff != 0) {
+    __atomic_fetch_sub(active, 1u, __ATOMIC_SEQ_CST);
+    return kGrantBadToken;
+  }
+  return kGrantOk;
+}
+
+void GrantLeave(uint8_t* base, size_t size) {
+  if (!BasicChecks(base, size).ok()) return;
+  uint32_t* active = AtomicAt<uint32_t>(base, off::active);
+  uint32_t cur = __atomic_load_n(active, __ATOMIC_RELAXED);
+  while (cur > 0 && !__atomic_compare_exchange_n(active, &cur, cur - 1, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+  }
+}
+
+uint32_t GrantActive(const uint8_t* base, size_t size) {
+  if (!BasicChecks(base, size).ok()) return 0;
+  return __atomic_load_n(AtomicAt<uint32_t>(base, off::active), __ATOMIC_SEQ_CST);
+}
+
+Status GrantRevoke(uint8_t* base, size_t size) {
+  Status s = BasicChecks(base, size);
+  if (!s.ok()) return s;
+  if (Load<uint32_t>(base, off::kind) != kKindGrant) return Status::Fail(kInvalidInput, "not a grant segment");
+  __atomic_store_n(AtomicAt<uint32_t>(base, off::state), static_cast<uint32_t>(kStateDead), __ATOMIC_SEQ_CST);
+  for (size_t i = 0; i < kTokenBytes; i++) __atomic_store_n(base + off::grant_token + i, static_cast<uint8_t>(0), __ATOMIC_RELAXED);
+  __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  return Status::Ok();
+}
+
+}  // namespace tw

@@ -1,0 +1,123 @@
+// POSIX shared memory segments and the seqlock-protected header. No Node-API here, so
+// the logic can be reasoned about (and fuzzed through the addon) on plain memory.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "layout.h"
+
+namespace tw {
+
+// Error codes mirror @tensorwire/core's ErrorCode values.
+extern const char* const kInvalidInput;
+extern const char* const kResourceExhausted;
+extern const char* const kRemoteRejected;
+extern const char* const kTimedOut;
+extern const char* const kBackendUnavailable;
+extern const char* const kClosed;
+
+struct Status {
+  const char* code = nullptr;  // nullptr = ok
+  std::string message;
+  std::string syscall;
+  int err = 0;
+  bool ok() const { return code == nullptr; }
+  static Status Ok() { return Status{}; }
+  static Status Fail(const char* c, std::string m) {
+    Status s;
+    s.code = c;
+    s.message = std::move(m);
+    return s;
+  }
+  static Status Errno(const char* c, const std::string& what, const char* call, int e);
+};
+
+// Returns "" when the name is acceptable, else why not. Names are "/tw-" + [A-Za-z0-9._-],
+// at most kMaxNameLength bytes, with no ".." and no further '/'.
+std::string NameProblem(const std::string& name);
+
+struct Mapping {
+  void* addr = nullptr;
+  size_t size = 0;
+};
+
+struct InitParams {
+  uint32_t kind = kKindPool;
+  uint64_t data_offset = 0;
+  uint64_t capacity = 0;
+  uint32_t owner_pid = 0;
+  int32_t device = -1;
+  uint64_t owner_start = 0;
+  uint64_t ipc_offset = 0;
+  bool has_ipc_handle = false;
+  uint8_t ipc_handle[kIpcHandleBytes] = {0};
+  uint64_t byte_length = 0;
+  uint32_t dtype = 0;
+  std::vector<uint64_t> shape;
+  std::string id;
+};
+
+// Exclusive create (O_CREAT|O_EXCL, 0600), size, reserve (posix_fallocate), map, init header.
+Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p, Mapping* out);
+// Open an existing segment; refuses segments not owned by this uid or accessible to others.
+Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out);
+// shm_unlink; *existed=false on ENOENT.
+Status UnlinkSegment(const std::string& name, bool* existed);
+
+struct Meta {
+  uint32_t kind = 0;
+  uint32_t version = 0;
+  uint32_t header_size = 0;
+  uint64_t data_offset = 0;
+  uint64_t capacity = 0;
+  uint32_t owner_pid = 0;
+  int32_t device = -1;
+  uint64_t owner_start = 0;
+  uint64_t ipc_offset = 0;
+  uint8_t ipc_handle[kIpcHandleBytes] = {0};
+  uint64_t generation = 0;
+  uint32_t state = 0;
+  uint32_t importers = 0;
+  uint64_t byte_length = 0;
+  uint32_t dtype = 0;
+  uint32_t ndim = 0;
+  uint64_t shape[kMaxNdim] = {0};
+  std::string id;
+};
+
+size_t DtypeSize(uint32_t dtype);  // 0 for unknown
+
+// Validate the static header fields against `size` (the mapping size learned from fstat or
+// the owner, never from the header) and read a seqlock-consistent snapshot of the metadata.
+// `require_kind` 0 = any. `expect_id` empty = don't check.
+Status DecodeHeader(const uint8_t* base, size_t size, uint32_t require_kind, const std::string& expect_id,
+                    Meta* out);
+// Like DecodeHeader but also copies the data (host pool slots) into dst under the seqlock.
+Status SeqCopy(const uint8_t* base, size_t size, const std::string& expect_id, uint8_t* dst, size_t dst_len,
+               uint32_t max_attempts, Meta* out);
+// Owner's write: validate against the owner's capacity, take the seqlock, copy, publish.
+Status SeqWrite(uint8_t* base, size_t size, uint64_t owner_capacity, const uint8_t* src, size_t len,
+                uint32_t dtype, const std::vector<uint64_t>& shape, uint64_t* generation_out);
+// Reader's re-check: true when no write started or finished since `generation` was observed
+// (acquire fence after the caller's reads of the data, then a relaxed load).
+bool SeqCheck(const uint8_t* base, size_t size, uint64_t generation);
+
+Status SetState(uint8_t* base, size_t size, uint32_t state);
+uint32_t LoadState(const uint8_t* base, size_t size);
+// Importer count: increment then check live (seq_cst on both sides, pairs with the owner's
+// free: store dead then load importers). Returns false (and undoes) when not live.
+Status ImporterAdd(uint8_t* base, size_t size, bool* live);
+Status ImporterRemove(uint8_t* base, size_t size, uint32_t* remaining);
+uint32_t LoadImporters(const uint8_t* base, size_t size);
+
+// Grants: enter = active++ then check live and token (seq_cst), leave = active--.
+// Revoke = state dead + token zeroed (seq_cst); the owner then waits for active == 0.
+enum GrantResult { kGrantOk = 0, kGrantRevoked = 1, kGrantBadToken = 2, kGrantNotGrant = 3 };
+GrantResult GrantEnter(uint8_t* base, size_t size, const uint8_t* token, size_t token_len);
+void GrantLeave(uint8_t* base, size_t size);
+uint32_t GrantActive(const uint8_t* base, size_t size);
+Status GrantRevoke(uint8_t* base, size_t size);
+
+}  // namespace tw

@@ -1,0 +1,278 @@
+/**
+ * The one typed facade over the native addon. The loader tries every known build path
+ * and keeps every error, so `capabilities()` can say exactly why something is missing.
+ * Every call converts native errors (which carry a `code` such as `TW_INVALID_INPUT`)
+ * into the typed errors of @tensorwire/core.
+ */
+import { createRequire } from 'node:module';
+import { dirname, join, resolve } from 'node:path';
+import { fileURLToPath } from 'node:url';
+import { BackendUnavailableError, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
+
+/** Segment kinds in the header's `kind` field. */
+export const SegmentKind = { Pool: 1, Grant: 2, Node: 3 } as const;
+/** Segment states in the header's `state` field. */
+export const SegmentState = { Init: 0, Live: 1, Dead: 2 } as const;
+/** Results of {@link NativeAddon.grantEnter}. */
+export const GrantResult = { Ok: 0, Revoked: 1, BadToken: 2, NotGrant: 3 } as const;
+
+export interface SegmentMeta {
+  readonly kind: number;
+  readonly version: number;
+  readonly headerSize: number;
+  readonly dataOffset: number;
+  readonly capacity: number;
+  readonly ownerPid: number;
+  readonly device: number;
+  readonly ownerStart: bigint;
+  readonly ipcOffset: number;
+  readonly ipcHandle: Uint8Array;
+  readonly generation: bigint;
+  readonly state: number;
+  readonly importers: number;
+  readonly byteLength: number;
+  readonly dtype: number;
+  readonly shape: readonly number[];
+  readonly id: string;
+}
+
+export interface SegmentInit {
+  readonly kind: number;
+  readonly id: string;
+  readonly dataOffset?: number;
+  readonly capacity?: number;
+  readonly ownerPid: number;
+  readonly ownerStart?: bigint;
+  readonly device?: number;
+  readonly ipcHandle?: Uint8Array;
+  readonly ipcOffset?: number;
+  readonly byteLength?: number;
+  readonly dtype?: number;
+  readonly shape?: readonly number[];
+}
+
+export interface NativeLayout {
+  readonly headerSize: number;
+  readonly dataOffset: number;
+  readonly maxNdim: number;
+  readonly maxNameLength: number;
+  readonly maxSegmentBytes: number;
+  readonly tokenBytes: number;
+  readonly offsets: Readonly<Record<string, number>>;
+}
+
+export interface CudaProbe {
+  readonly available: boolean;
+  readonly reason: string;
+  readonly driverVersion: number;
+  readonly deviceCount: number;
+  readonly devices: readonly string[];
+}
+
+export interface CudaExport {
+  readonly handle: Uint8Array;
+  readonly base: bigint;
+  readonly offset: number;
+  readonly allocSize: number;
+}
+
+/** The addon's exports, exactly as native/addon.cc defines them. */
+export interface NativeAddon {
+  layout(): NativeLayout;
+  nameProblem(name: string): string | undefined;
+  shmCreate(name: string, size: number, init: SegmentInit): ArrayBuffer;
+  shmOpen(name: string, maxSize: number): ArrayBuffer;
+  shmUnlink(name: string): boolean;
+  shmUnlinkAll(): number;
+  shmCreated(): string[];
+  headerDecode(segment: ArrayBuffer, kind?: number, expectId?: string): SegmentMeta;
+  seqWrite(segment: ArrayBuffer, capacity: number, src: Uint8Array, dtype: number, shape: readonly number[]): bigint;
+  seqCheck(segment: ArrayBuffer, generation: bigint): boolean;
+  seqCopy(segment: ArrayBuffer, expectId: string, dst: Uint8Array, maxAttempts?: number): SegmentMeta;
+  setState(segment: ArrayBuffer, state: number): void;
+  loadState(segment: ArrayBuffer): number;
+  importerAdd(segment: ArrayBuffer): boolean;
+  importerRemove(segment: ArrayBuffer): number;
+  importers(segment: ArrayBuffer): number;
+  grantEnter(segment: ArrayBuffer, token: Uint8Array): number;
+  grantLeave(segment: ArrayBuffer): void;
+  grantActive(segment: ArrayBuffer): number;
+  grantRevoke(segment: ArrayBuffer): void;
+  cudaProbe(): CudaProbe;
+  cudaAlloc(device: number, bytes: number): Promise<bigint>;
+  cudaExport(device: number, pointer: bigint): Promise<CudaExport>;
+  cudaFree(device: number, pointer: bigint): Promise<void>;
+  cudaImport(device: number, handle: Uint8Array): Promise<bigint>;
+  cudaCloseImport(device: number, pointer: bigint): Promise<void>;
+  cudaCopy(op: 'h2d', device: number, dst: bigint, src: Uint8Array, length: number): Promise<void>;
+  cudaCopy(op: 'd2h', device: number, dst: Uint8Array, src: bigint, length: number): Promise<void>;
+  cudaCopy(op: 'd2d', device: number, dst: bigint, src: bigint, length: number): Promise<void>;
+  cudaHostRegister(memory: Uint8Array): Promise<void>;
+  cudaHostUnregister(memory: Uint8Array): Promise<void>;
+}
+
+interface LoadResult {
+  readonly addon: NativeAddon | undefined;
+  readonly path: string | undefined;
+  readonly errors: readonly string[];
+}
+
+const here = dirname(fileURLToPath(import.meta.url));
+let loaded: LoadResult | undefined;
+
+/** Where the loader looks, in order. `TENSORWIRE_CUDA_IPC_ADDON` overrides. */
+export function addonCandidates(): string[] {
+  const root = resolve(here, '..');
+  const out: string[] = [];
+  const override = process.env['TENSORWIRE_CUDA_IPC_ADDON'];
+  if (override) out.push(resolve(override));
+  for (const dir of ['build/Release', 'build/Debug', 'build', 'prebuilds/linux-' + process.arch]) {
+    out.push(join(root, dir, 'cuda_ipc.node'));
+  }
+  return out;
+}
+
+function load(): LoadResult {
+  if (loaded) return loaded;
+  const require = createRequire(import.meta.url);
+  const errors: string[] = [];
+  for (const path of addonCandidates()) {
+    try {
+      const addon = require(path) as NativeAddon;
+      loaded = { addon, path, errors };
+      return loaded;
+    } catch (e) {
+      errors.push(`${path}: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`);
+    }
+  }
+  loaded = { addon: undefined, path: undefined, errors };
+  return loaded;
+}
+
+/** Turn anything the addon threw into a typed error. */
+export function toTypedError(e: unknown): TensorwireError | unknown {
+  if (e instanceof Error) {
+    const code = (e as { code?: unknown }).code;
+    if (isErrorCode(code)) {
+      const details: Record<string, unknown> = {};
+      for (const k of ['errno', 'errnoName', 'syscall', 'cuResult', 'cuCall'] as const) {
+        const v = (e as unknown as Record<string, unknown>)[k];
+        if (v !== undefined && v !== '') details[k] = v;
+      }
+      return errorFromCode(code, e.message, { cause: e, details });
+    }
+  }
+  return e;
+}
+
+function addon(): NativeAddon {
+  const r = load();
+  if (!r.addon) {
+    throw new BackendUnavailableError(`the @tensorwire/cuda-ipc native addon could not be loaded (run \`npm run build\` in packages/cuda-ipc): ${r.errors.join('; ')}`, {
+      details: { errors: r.errors },
+    });
+  }
+  return r.addon;
+}
+
+function wrap<K extends keyof NativeAddon>(key: K): NativeAddon[K] {
+  const fn = (...args: unknown[]): unknown => {
+    const a = addon();
+    try {
+      const result = (a[key] as (...x: unknown[]) => unknown).apply(a, args);
+      if (result instanceof Promise) {
+        return result.catch((e: unknown) => {
+          throw toTypedError(e);
+        });
+      }
+      return result;
+    } catch (e) {
+      throw toTypedError(e);
+    }
+  };
+  return fn as NativeAddon[K];
+}
+
+/** The addon, with every native error converted to a typed error. Loads lazily. */
+export const native: NativeAddon = {
+  layout: wrap('layout'),
+  nameProblem: wrap('nameProblem'),
+  shmCreate: wrap('shmCreate'),
+  shmOpen: wrap('shmOpen'),
+  shmUnlink: wrap('shmUnlink'),
+  shmUnlinkAll: wrap('shmUnlinkAll'),
+  shmCreated: wrap('shmCreated'),
+  headerDecode: wrap('headerDecode'),
+  seqWrite: wrap('seqWrite'),
+  seqCheck: wrap('seqCheck'),
+  seqCopy: wrap('seqCopy'),
+  setState: wrap('setState'),
+  loadState: wrap('loadState'),
+  importerAdd: wrap('importerAdd'),
+  importerRemove: wrap('importerRemove'),
+  importers: wrap('importers'),
+  grantEnter: wrap('grantEnter'),
+  grantLeave: wrap('grantLeave'),
+  grantActive: wrap('grantActive'),
+  grantRevoke: wrap('grantRevoke'),
+  cudaProbe: wrap('cudaProbe'),
+  cudaAlloc: wrap('cudaAlloc'),
+  cudaExport: wrap('cudaExport'),
+  cudaFree: wrap('cudaFree'),
+  cudaImport: wrap('cudaImport'),
+  cudaCloseImport: wrap('cudaCloseImport'),
+  cudaCopy: wrap('cudaCopy'),
+  cudaHostRegister: wrap('cudaHostRegister'),
+  cudaHostUnregister: wrap('cudaHostUnregister'),
+};
+
+export interface Capabilities {
+  readonly addon: { readonly loaded: boolean; readonly path: string | undefined; readonly errors: readonly string[] };
+  /** POSIX shared memory (host slots): needs the addon and /dev/shm. */
+  readonly sharedMemory: { readonly available: boolean; readonly reason: string | undefined };
+  /** CUDA IPC: needs the addon, libcuda.so.1 and at least one device. */
+  readonly cuda: {
+    readonly available: boolean;
+    readonly reason: string | undefined;
+    readonly driverVersion: number;
+    readonly deviceCount: number;
+    readonly devices: readonly string[];
+  };
+}
+
+/** What works on this machine, and exactly why not where something does not. */
+export function capabilities(): Capabilities {
+  const r = load();
+  const addonInfo = { loaded: r.addon !== undefined, path: r.path, errors: r.errors };
+  if (!r.addon) {
+    const why = `native addon not loaded: ${r.errors.join('; ')}`;
+    return {
+      addon: addonInfo,
+      sharedMemory: { available: false, reason: why },
+      cuda: { available: false, reason: why, driverVersion: 0, deviceCount: 0, devices: [] },
+    };
+  }
+  let cuda: CudaProbe;
+  try {
+    cuda = r.addon.cudaProbe();
+  } catch (e) {
+    cuda = { available: false, reason: `CUDA probe failed: ${e instanceof Error ? e.message : String(e)}`, driverVersion: 0, deviceCount: 0, devices: [] };
+  }
+  return {
+    addon: addonInfo,
+    sharedMemory: { available: true, reason: undefined },
+    cuda: {
+      available: cuda.available,
+      reason: cuda.available ? undefined : cuda.reason,
+      driverVersion: cuda.driverVersion,
+      deviceCount: cuda.deviceCount,
+      devices: cuda.devices,
+    },
+  };
+}
+
+/** True when `what` works here: 'shm' (default) needs only the addon, 'cuda' a GPU too. */
+export function isAvailable(what: 'shm' | 'cuda' = 'shm'): boolean {
+  const c = capabilities();
+  return what === 'cuda' ? c.cuda.available : c.sharedMemory.available;
+}

@@ -1,0 +1,172 @@
+/**
+ * Process-wide bookkeeping for shared memory: which ArrayBuffers are mappings of which
+ * segment (so the transport can grant them zero-copy), the exit hook that unlinks every
+ * segment this process created, `sweep()` for segments of dead owners, and
+ * {@link allocateSharedMemory} for transport registrations.
+ */
+import { readdirSync, statSync } from 'node:fs';
+import { randomBytes } from 'node:crypto';
+import { assertOwner, formatId, InvalidInputError } from '@tensorwire/core';
+import { native, SegmentKind, SegmentState } from './native.js';
+import { isProcessAlive, selfStartTime } from './proc.js';
+import { poolSegmentName, segmentNameProblem } from './names.js';
+
+export const HEADER_SIZE = 4096;
+export const DATA_OFFSET = 4096;
+export const MAX_SEGMENT_BYTES = 2 ** 40;
+
+/** A mapping of a host segment whose data area can be granted to peers. */
+export interface SharedRegion {
+  readonly name: string;
+  /** Where the data area starts in the mapping. */
+  readonly dataOffset: number;
+  /** Bytes of the data area. */
+  readonly dataBytes: number;
+}
+
+const regions = new WeakMap<ArrayBufferLike, SharedRegion>();
+
+export function rememberRegion(mapping: ArrayBufferLike, region: SharedRegion): void {
+  regions.set(mapping, region);
+}
+
+/** The shared segment `view` lies in, with the view's offset in its data area, or undefined. */
+export function regionOf(view: Uint8Array): { region: SharedRegion; offset: number } | undefined {
+  const region = regions.get(view.buffer);
+  if (!region) return undefined;
+  const offset = view.byteOffset - region.dataOffset;
+  if (offset < 0 || offset + view.byteLength > region.dataBytes) return undefined;
+  return { region, offset };
+}
+
+let exitHooked = false;
+/** Unlink every segment this process created when it exits (SIGKILL leaves them to sweep()). */
+export function hookExit(): void {
+  if (exitHooked) return;
+  exitHooked = true;
+  process.on('exit', () => {
+    try {
+      native.shmUnlinkAll();
+    } catch {
+      // nothing left to do at exit
+    }
+  });
+}
+
+/**
+ * Host memory in a fresh shared segment, for zero-copy registration with the cuda-ipc
+ * transport. The segment is unlinked at process exit; the memory stays mapped while any
+ * view of it is alive. `owner` names the segment (default `proc-<pid>`).
+ */
+export function allocateSharedMemory(byteLength: number, owner = `proc-${process.pid}`): Uint8Array {
+  assertOwner(owner);
+  if (!Number.isSafeInteger(byteLength) || byteLength < 1 || byteLength > MAX_SEGMENT_BYTES - DATA_OFFSET) {
+    throw new InvalidInputError(`byteLength ${String(byteLength)} must be an integer between 1 and ${MAX_SEGMENT_BYTES - DATA_OFFSET}`, {
+      details: { field: 'byteLength' },
+    });
+  }
+  hookExit();
+  const id = formatId('pool', owner, `x${randomBytes(12).toString('hex')}`);
+  const name = poolSegmentName(id);
+  const mapping = native.shmCreate(name, DATA_OFFSET + byteLength, {
+    kind: SegmentKind.Pool,
+    id,
+    dataOffset: DATA_OFFSET,
+    capacity: byteLength,
+    ownerPid: process.pid,
+    ownerStart: selfStartTime(),
+    device: -1,
+    byteLength,
+    dtype: 1,
+    shape: [byteLength],
+  });
+  native.setState(mapping, SegmentState.Live);
+  rememberRegion(mapping, { name, dataOffset: DATA_OFFSET, dataBytes: byteLength });
+  return new Uint8Array(mapping, DATA_OFFSET, byteLength);
+}
+
+/** Unlink the segment behind memory from {@link allocateSharedMemory} (the mapping stays until GC). */
+export function releaseSharedMemory(view: Uint8Array): boolean {
+  const r = regionOf(view);
+  if (!r) return false;
+  return native.shmUnlink(r.region.name);
+}
+
+export interface SweepReport {
+  /** Segment names removed because their owner is dead (or they were never initialised). */
+  readonly removed: readonly string[];
+  /** Segments kept because their owner is alive. */
+  readonly kept: number;
+  /** Segments that could not be inspected, and why (other users' segments are skipped silently). */
+  readonly skipped: readonly { readonly name: string; readonly reason: string }[];
+}
+
+/**
+ * Remove tensorwire segments left behind by owners that died: the owner pid recorded in
+ * the header is gone (ESRCH), or it was reused by another process (start time differs).
+ * Segments whose header never became valid are removed once older than `staleInitMs`.
+ */
+export function sweep(options: { dir?: string; staleInitMs?: number } = {}): SweepReport {
+  const dir = options.dir ?? '/dev/shm';
+  const staleInitMs = options.staleInitMs ?? 60_000;
+  const removed: string[] = [];
+  const skipped: { name: string; reason: string }[] = [];
+  let kept = 0;
+  let entries: string[];
+  try {
+    entries = readdirSync(dir);
+  } catch (e) {
+    return { removed, kept, skipped: [{ name: dir, reason: e instanceof Error ? e.message : String(e) }] };
+  }
+  for (const entry of entries) {
+    if (!entry.startsWith('tw-')) continue;
+    const name = `/${entry}`;
+    if (segmentNameProblem(name) !== undefined) continue;
+    let mapping: ArrayBuffer;
+    try {
+      mapping = native.shmOpen(name, MAX_SEGMENT_BYTES);
+    } catch (e) {
+      const msg = e instanceof Error ? e.message : String(e);
+      // Too small to hold a header: a creator died between shm_open and ftruncate.
+      if (/smaller than its header/.test(msg) && isOld(`${dir}/${entry}`, staleInitMs)) {
+        if (native.shmUnlink(name)) removed.push(name);
+      } else if (!/belongs to uid|accessible to other users/.test(msg)) {
+        skipped.push({ name, reason: msg });
+      }
+      continue;
+    }
+    let pid: number;
+    let start: bigint;
+    try {
+      const meta = native.headerDecode(mapping);
+      pid = meta.ownerPid;
+      start = meta.ownerStart;
+    } catch (e) {
+      if (isOld(`${dir}/${entry}`, staleInitMs)) {
+        if (native.shmUnlink(name)) removed.push(name);
+      } else {
+        skipped.push({ name, reason: e instanceof Error ? e.message : String(e) });
+      }
+      continue;
+    }
+    if (isProcessAlive(pid, start)) {
+      kept++;
+      continue;
+    }
+    try {
+      native.setState(mapping, SegmentState.Dead);
+    } catch {
+      // header unreadable; unlink anyway
+    }
+    if (native.shmUnlink(name)) removed.push(name);
+  }
+  return { removed, kept, skipped };
+}
+
+function isOld(path: string, ms: number): boolean {
+  try {
+    return Date.now() - statSync(path).mtimeMs > ms;
+  } catch {
+    return false;
+  }
+}

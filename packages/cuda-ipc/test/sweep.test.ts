@@ -1,0 +1,45 @@
+import { existsSync } from 'node:fs';
+import { afterAll, describe, expect, it } from 'vitest';
+import { poolSegmentName, sweep } from '../src/index.js';
+import { killChildren, spawnNode, uniqueOwner } from './helpers.js';
+
+afterAll(killChildren);
+
+const shmPath = (name: string): string => `/dev/shm${name}`;
+
+describe('sweep() after a SIGKILLed owner', () => {
+  it("removes a dead owner's segments and keeps live owners' segments", async () => {
+    const dead = await spawnNode(uniqueOwner('dead'));
+    const live = await spawnNode(uniqueOwner('live'));
+    const ids = [await dead.call<string>('register', { byteLength: 1024 }), await dead.call<string>('register', { dtype: 'float32', shape: [4, 4] })];
+    const liveId = await live.call<string>('register', { byteLength: 64 });
+    for (const id of ids) expect(existsSync(shmPath(poolSegmentName(id)))).toBe(true);
+
+    dead.proc.kill('SIGKILL');
+    const { signal } = await dead.exited;
+    expect(signal).toBe('SIGKILL');
+    // SIGKILL runs no exit hook: the segments are still there.
+    for (const id of ids) expect(existsSync(shmPath(poolSegmentName(id)))).toBe(true);
+
+    const report = sweep();
+    for (const id of ids) {
+      expect(report.removed).toContain(poolSegmentName(id));
+      expect(existsSync(shmPath(poolSegmentName(id)))).toBe(false);
+    }
+    expect(report.removed).not.toContain(poolSegmentName(liveId));
+    expect(existsSync(shmPath(poolSegmentName(liveId)))).toBe(true);
+
+    // A clean exit unlinks its segments itself.
+    await live.call('close');
+    expect(existsSync(shmPath(poolSegmentName(liveId)))).toBe(false);
+  });
+
+  it('a normal exit (no close) unlinks the segments through the exit hook', async () => {
+    const n = await spawnNode(uniqueOwner('exit'));
+    const id = await n.call<string>('register', { byteLength: 128 });
+    expect(existsSync(shmPath(poolSegmentName(id)))).toBe(true);
+    n.proc.disconnect();
+    await n.exited;
+    expect(existsSync(shmPath(poolSegmentName(id)))).toBe(false);
+  });
+});
