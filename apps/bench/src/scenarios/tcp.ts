@@ -68,7 +68,7 @@ export async function tcp(ctx: ScenarioContext): Promise<ScenarioResult> {
       ratios.push({ name: `tcp/raw @ ${formatBytes(blockBytes)}`, subject, baseline, blockBytes, value, ...(goal !== undefined ? { goal, pass: value >= goal } : {}) });
       ratios.push({ name: `tcp/raw-2-onread @ ${formatBytes(blockBytes)}`, subject, baseline: baseline2, blockBytes, value: Number(eng['gbps']) / Number(raw2['gbps']) });
     }
-    notes.push('baselines: one plain node:net stream with data events (the issue\'s baseline), and the strongest Node receive path: 2 sockets receiving with onread into reused buffers, no verification');
+    notes.push('baselines: one plain node:net stream with data events (the issue\'s baseline), and the strongest Node receive path: 2 sockets receiving with onread straight into the same destination memory, no protocol, no verification');
     notes.push(`requester keeps 4 block reads in flight; engine: 2 streams per peer, 1 MiB chunks; best of ${rounds} alternating round(s) each`);
     return { scenario: 'tcp', measurements, ratios, verificationFailures: failures, notes };
   } finally {

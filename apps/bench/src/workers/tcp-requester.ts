@@ -60,19 +60,23 @@ async function runEngine(blockBytes: number, totalBytes: number, window: number)
 
 /**
  * Raw baseline: `sockets` plain node:net streams splitting the same bytes. With `onread`, each
- * socket receives into one reused buffer (the cheapest receive Node offers); without it, the
- * default 'data' events.
+ * socket receives straight into its half of the same destination memory the engine run uses
+ * (the cheapest receive Node offers); without it, the default 'data' events.
  */
 async function runRaw(blockBytes: number, totalBytes: number, sockets: number, onread: boolean): Promise<Record<string, unknown>> {
   const total = Math.max(1, Math.floor(totalBytes / blockBytes)) * blockBytes;
   const per = Math.ceil(total / sockets);
+  // With onread, receive into the same pre-faulted destination memory the engine run uses,
+  // advancing through it, so both write the same amount of cold memory.
+  const dst = onread ? (await destination(total)).buffer : undefined;
   const t0 = nowMs();
   await Promise.all(
     Array.from({ length: sockets }, (_, k) => {
       const mine = Math.min(per, total - k * per);
       return new Promise<void>((resolve, reject) => {
         let got = 0;
-        const sink = Buffer.allocUnsafe(Math.min(blockBytes, 4 * 1024 * 1024));
+        const base = k * per;
+        const next = (): Uint8Array => (dst as Uint8Array).subarray(base + got, base + Math.min(mine, got + 4 * 1024 * 1024));
         const count = (n: number): void => {
           got += n;
           if (got >= mine) {
@@ -80,7 +84,7 @@ async function runRaw(blockBytes: number, totalBytes: number, sockets: number, o
             resolve();
           }
         };
-        const socket = net.connect({ port: rawPort, host: '127.0.0.1', noDelay: true, ...(onread ? { onread: { buffer: sink, callback: (n: number) => (count(n), true) } } : {}) });
+        const socket = net.connect({ port: rawPort, host: '127.0.0.1', noDelay: true, ...(onread ? { onread: { buffer: () => (got < mine ? next() : Buffer.allocUnsafe(1)), callback: (n: number) => (count(n), true) } } : {}) });
         socket.on('error', reject);
         if (!onread) socket.on('data', (d: Buffer) => count(d.length));
         socket.on('connect', () => {
