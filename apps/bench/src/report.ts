@@ -15,12 +15,12 @@ interface Series {
 }
 
 function lineChart(title: string, series: Series[], xLabel: string, yLabel: string, logX: boolean, xFmt: (x: number) => string): string {
-  const W = 640;
+  const W = 720;
   const H = 320;
   const L = 60;
   const B = 40;
   const T = 30;
-  const R = 170;
+  const R = 250;
   const all = series.flatMap((s) => s.points);
   if (all.length === 0) return '';
   const xs = all.map((p) => (logX ? Math.log2(p[0]) : p[0]));
@@ -36,7 +36,10 @@ function lineChart(title: string, series: Series[], xLabel: string, yLabel: stri
     const y = (y1 * i) / 4;
     parts.push(`<text x="${L - 6}" y="${py(y) + 4}" text-anchor="end" font-size="11">${y.toFixed(y1 < 1 ? 3 : 2)}</text><line x1="${L}" x2="${W - R}" y1="${py(y)}" y2="${py(y)}" stroke="#eee"/>`);
   }
-  const ticks = [...new Set(all.map((p) => p[0]))].sort((a, b) => a - b);
+  const lo = Math.min(...all.map((p) => p[0]));
+  const hi = Math.max(...all.map((p) => p[0]));
+  // Log axes tick at the measured sizes; linear axes at five even steps.
+  const ticks = logX ? [...new Set(all.map((p) => p[0]))].sort((a, b) => a - b) : Array.from({ length: 5 }, (_, i) => lo + ((hi - lo) * i) / 4);
   const step = Math.max(1, Math.ceil(ticks.length / 8));
   ticks.forEach((x, i) => {
     if (i % step === 0) parts.push(`<text x="${px(x)}" y="${H - B + 16}" text-anchor="middle" font-size="11">${esc(xFmt(x))}</text>`);
@@ -48,7 +51,7 @@ function lineChart(title: string, series: Series[], xLabel: string, yLabel: stri
     const pts = [...s.points].sort((a, b) => a[0] - b[0]);
     parts.push(`<polyline fill="none" stroke="${color}" stroke-width="2" points="${pts.map((p) => `${px(p[0]).toFixed(1)},${py(p[1]).toFixed(1)}`).join(' ')}"/>`);
     if (pts.length < 40) for (const p of pts) parts.push(`<circle cx="${px(p[0]).toFixed(1)}" cy="${py(p[1]).toFixed(1)}" r="3" fill="${color}"/>`);
-    parts.push(`<rect x="${W - R + 10}" y="${T + i * 18}" width="10" height="10" fill="${color}"/><text x="${W - R + 24}" y="${T + 9 + i * 18}" font-size="11">${esc(s.name.slice(0, 26))}</text>`);
+    parts.push(`<rect x="${W - R + 10}" y="${T + i * 18}" width="10" height="10" fill="${color}"/><text x="${W - R + 24}" y="${T + 9 + i * 18}" font-size="11">${esc(s.name.slice(0, 38))}</text>`);
   });
   parts.push('</svg>');
   return parts.join('');
