@@ -216,6 +216,7 @@ interface PreparedRequest {
 }
 
 const DEFAULT_CHUNK = 1024 * 1024;
+const MAX_TIMER_MS = 0x7fffffff;
 
 function connectionKey(nodeId: string, transport: string): string {
   // nodeId cannot contain '/', so the key is unambiguous.
@@ -266,6 +267,7 @@ export class TransferEngine {
     this.chunkBytes = checkInteger(options.chunkBytes ?? DEFAULT_CHUNK, 'chunkBytes', 1);
     this.defaultTimeoutMs = checkInteger(options.defaultTimeoutMs ?? 30_000, 'defaultTimeoutMs', 1);
     this.connectTimeoutMs = checkInteger(options.connectTimeoutMs ?? 10_000, 'connectTimeoutMs', 1);
+    if (this.connectTimeoutMs > MAX_TIMER_MS) throw new InvalidInputError(`connectTimeoutMs must be at most ${MAX_TIMER_MS}`, { details: { field: 'connectTimeoutMs' } });
     const incarnation = options.incarnation ?? randomBytes(12).toString('base64url');
     const hostId = options.hostId ?? defaultHostId();
     this.identity = Object.freeze({ nodeId: options.nodeId, incarnation, hostId });
@@ -542,7 +544,14 @@ export class TransferEngine {
     const expire = (): void => ac.abort(new TimedOutError(`deadline passed (${Math.max(0, Math.round(deadline - started))} ms after the call)`));
     const started = Date.now();
     if (deadline <= started) expire();
-    const timer = setTimeout(expire, Math.max(0, deadline - started));
+    // setTimeout holds at most 2^31-1 ms: longer deadlines re-arm.
+    let timer: NodeJS.Timeout;
+    const arm = (): void => {
+      const left = deadline - Date.now();
+      if (left <= 0) expire();
+      else timer = setTimeout(left > MAX_TIMER_MS ? arm : expire, Math.min(left, MAX_TIMER_MS));
+    };
+    arm();
     const user = options.signal;
     const onUser = (): void => ac.abort(errorFromSignal(user as AbortSignal, 'transfer'));
     if (user) {
@@ -660,7 +669,7 @@ export class TransferEngine {
   async #run(op: 'read' | 'write', pc: PeerConnection, prepared: readonly PreparedRequest[], signal: AbortSignal, deadline: number): Promise<void> {
     const conn = pc.conn;
     if (!conn) throw new ConnectionBrokenError('connection vanished');
-    const cap = Math.min(this.chunkBytes, pc.transport.capabilities.maxChunkBytes);
+    const cap = Math.min(this.chunkBytes, pc.transport.capabilities.maxChunkBytes, conn.maxChunkBytes ?? Number.POSITIVE_INFINITY);
     const perStream: TransferChunk[][] = Array.from({ length: conn.streams }, () => []);
     for (const p of prepared) {
       let done = 0;
@@ -743,7 +752,15 @@ export class TransferEngine {
     const t = pc.transport;
     const blob = ep.transports.get(t.name) as Uint8Array;
     const ac = new AbortController();
-    const timer = setTimeout(() => ac.abort(new TimedOutError(`handshake with ${pc.peer.nodeId} over ${t.name} timed out`)), this.connectTimeoutMs);
+    const timer = setTimeout(() => {
+      const err = new TimedOutError(`handshake with ${pc.peer.nodeId} over ${t.name} timed out`);
+      ac.abort(err);
+      // Do not depend on the transport settling: the entry must not stay "connecting".
+      if (this.#table.get(pc.key) === pc && !pc.ready.settled) {
+        this.#table.delete(pc.key);
+        pc.ready.reject(err);
+      }
+    }, this.connectTimeoutMs);
     this.#inflight.add(ac);
     const first = this.#explain(ep, [pc.transport.capabilities.memoryKinds[0] ?? 'host']);
     t.connect(ep.identity, blob, { signal: ac.signal, deadline: Date.now() + this.connectTimeoutMs, streams: Math.min(this.streamsPerPeer, t.capabilities.maxStreams) })
@@ -836,6 +853,15 @@ export class TransferEngine {
       return;
     }
     const inboundWins = peer.nodeId < this.identity.nodeId; // it was opened by the peer
+    if (pc.conn && !pc.conn.isOpen) {
+      // The existing connection is already going away: the peer's new one replaces it.
+      const old = pc.conn;
+      const next = new PeerConnection(key, peer, t);
+      this.#table.set(key, next);
+      this.#adopt(next, conn, 'adopted');
+      void old.close(new ConnectionBrokenError('replaced by a newer connection from the peer')).catch(() => undefined);
+      return;
+    }
     if (!pc.conn) {
       // Our own open is still in flight.
       if (inboundWins) {

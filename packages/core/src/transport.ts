@@ -117,6 +117,8 @@ export interface TransportConnection {
   /** nodeId of the side that opened it; the engine uses it to settle simultaneous opens. */
   readonly initiator: string;
   readonly streams: number;
+  /** Largest chunk this connection accepts (agreed with the peer), when it is below the transport's. */
+  readonly maxChunkBytes?: number;
   /** False once closing or closed. */
   readonly isOpen: boolean;
   /**

@@ -154,6 +154,24 @@ describe('transfer engine', () => {
     await b2.close();
   });
 
+  it('a handshake that never settles times out and leaves no entry stuck in "connecting"', async () => {
+    const ta = new MemTransport({ connectHangs: true });
+    const a = new TransferEngine({ nodeId: 'a', transports: [ta], logger: silentLogger, connectTimeoutMs: 50 });
+    const b = new TransferEngine({ nodeId: 'b', transports: [new MemTransport()], logger: silentLogger });
+    await a.start();
+    await b.start();
+    const rb = await b.register({ kind: 'host', buffer: new Uint8Array(8) });
+    const ra = await a.register({ kind: 'host', buffer: new Uint8Array(8) });
+    for (let i = 0; i < 3; i++) {
+      await expect(a.read(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { timeoutMs: 10_000 })).rejects.toMatchObject({ code: ErrorCode.TimedOut });
+      expect(a.connections()).toHaveLength(0);
+    }
+    // Each attempt started a fresh handshake instead of waiting on the wedged one.
+    expect(ta.connectCalls).toBe(3);
+    await a.close();
+    await b.close();
+  });
+
   it('a restarted peer (new incarnation) gets a fresh connection; the old one is closed', async () => {
     const { a, b, ta } = await pair(() => [new MemTransport()]);
     const rb = await b.register({ kind: 'host', buffer: new Uint8Array(8) });

@@ -115,7 +115,7 @@ async function stallingPeer(sendBytes: number): Promise<{ endpoint: Uint8Array; 
         buf = buf.subarray(12 + len);
         if (!hello && type === tcpFrames.FrameType.Hello) {
           hello = true;
-          s.write(tcpFrames.encodeHelloAck(identity.nodeId, identity.incarnation, identity.hostId));
+          s.write(tcpFrames.encodeHelloAck(identity.nodeId, identity.incarnation, identity.hostId, 1 << 24));
         } else if (type === tcpFrames.FrameType.ReadReq && sendBytes > 0) {
           s.write(tcpFrames.frameHeader(tcpFrames.FrameType.ReadData, reqId, 4096));
           s.write(Buffer.alloc(sendBytes, 0xab));

@@ -41,7 +41,7 @@ describe('tcp responder against a hostile peer', () => {
       s.on('close', () => resolve());
       s.on('connect', () => {
         const id = holder.identity;
-        s.write(encodeHello({ connectionId: new Uint8Array(16).map(() => Math.floor(Math.random() * 256)), streamIndex: 0, streamCount: 1, nodeId: 'mallory', incarnation: 'm1', hostId: 'h', expectedNodeId: id.nodeId, expectedIncarnation: id.incarnation }));
+        s.write(encodeHello({ connectionId: new Uint8Array(16).map(() => Math.floor(Math.random() * 256)), streamIndex: 0, streamCount: 1, nodeId: 'mallory', incarnation: 'm1', hostId: 'h', expectedNodeId: id.nodeId, expectedIncarnation: id.incarnation, maxChunkBytes: 1 << 24 }));
         for (const f of frames) s.write(f);
         setTimeout(() => s.destroy(), 30);
       });

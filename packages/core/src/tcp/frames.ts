@@ -7,8 +7,8 @@
  *
  *   HELLO      0x10  body: "TWH1" | 16-byte connection id | u8 stream index | u8 stream count
  *                    | str8 nodeId | str8 incarnation | str8 hostId
- *                    | str8 expected peer nodeId | str8 expected peer incarnation ("" = any)
- *   HELLO_ACK  0x11  body: str8 nodeId | str8 incarnation | str8 hostId
+ *                    | str8 expected peer nodeId | str8 expected peer incarnation | u32 max chunk bytes
+ *   HELLO_ACK  0x11  body: str8 nodeId | str8 incarnation | str8 hostId | u32 max chunk bytes
  *   READ_REQ   0x01  body: 16-byte grant token | u64 offset | u32 length
  *   WRITE_REQ  0x02  body: 16-byte grant token | u64 offset | data (body length - 24 bytes)
  *   READ_DATA  0x03  body: exactly the requested bytes
@@ -16,11 +16,25 @@
  *   ERROR      0x05  body: str8 code | u16 length | UTF-8 message
  *   GOAWAY     0x06  body: empty; the sender will issue no more requests on this socket
  *
+ * Identity fields are validated (owner names, incarnation tokens). The dialer must name the
+ * exact node and incarnation it expects, as published in its endpoint. TCP itself proves no
+ * identity: run it on a trusted network, as with NIXL's or UCX's TCP paths.
+ *
  * The parser never reads past the frame it is in, so the bytes of READ_DATA and WRITE_REQ
  * can be received straight into their destination (`nextBuffer()` / `commit()`).
  */
 import { ByteReader, ByteWriter } from '../codec.js';
 import { InvalidInputError } from '../errors.js';
+import { ownerProblem } from '../ids.js';
+
+const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
+
+function checkIdentity(what: string, nodeId: string, incarnation: string, hostId?: string): void {
+  const problem = ownerProblem(nodeId);
+  if (problem !== undefined) throw new InvalidInputError(`${what}: ${problem}`, { details: { field: 'nodeId' } });
+  if (!TOKEN_RE.test(incarnation)) throw new InvalidInputError(`${what}: malformed incarnation`, { details: { field: 'incarnation' } });
+  if (hostId !== undefined && !TOKEN_RE.test(hostId)) throw new InvalidInputError(`${what}: malformed host id`, { details: { field: 'hostId' } });
+}
 
 export const PROTOCOL_VERSION = 1;
 export const HEADER_BYTES = 12;
@@ -94,6 +108,7 @@ export interface Hello {
   readonly hostId: string;
   readonly expectedNodeId: string;
   readonly expectedIncarnation: string;
+  readonly maxChunkBytes: number;
 }
 
 const HELLO_MAGIC = [0x54, 0x57, 0x48, 0x31]; // TWH1
@@ -102,7 +117,7 @@ export function encodeHello(h: Hello): Buffer {
   const w = new ByteWriter(128);
   for (const m of HELLO_MAGIC) w.u8(m);
   w.bytes(h.connectionId).u8(h.streamIndex).u8(h.streamCount);
-  w.str8(h.nodeId).str8(h.incarnation).str8(h.hostId).str8(h.expectedNodeId).str8(h.expectedIncarnation);
+  w.str8(h.nodeId).str8(h.incarnation).str8(h.hostId).str8(h.expectedNodeId).str8(h.expectedIncarnation).u32(h.maxChunkBytes);
   const body = w.finish();
   return Buffer.concat([frameHeader(FrameType.Hello, 0, body.length), body]);
 }
@@ -125,20 +140,26 @@ export function decodeHello(body: Uint8Array): Hello {
     hostId: r.str8('host id'),
     expectedNodeId: r.str8('expected node id'),
     expectedIncarnation: r.str8('expected incarnation'),
+    maxChunkBytes: r.u32('max chunk bytes'),
   };
   r.end();
+  checkIdentity('HELLO', h.nodeId, h.incarnation, h.hostId);
+  checkIdentity('HELLO (expected peer)', h.expectedNodeId, h.expectedIncarnation);
+  if (h.maxChunkBytes === 0) throw new InvalidInputError('HELLO max chunk bytes is 0', { details: { field: 'maxChunkBytes' } });
   return h;
 }
 
-export function encodeHelloAck(nodeId: string, incarnation: string, hostId: string): Buffer {
-  const body = new ByteWriter(64).str8(nodeId).str8(incarnation).str8(hostId).finish();
+export function encodeHelloAck(nodeId: string, incarnation: string, hostId: string, maxChunkBytes: number): Buffer {
+  const body = new ByteWriter(64).str8(nodeId).str8(incarnation).str8(hostId).u32(maxChunkBytes).finish();
   return Buffer.concat([frameHeader(FrameType.HelloAck, 0, body.length), body]);
 }
 
-export function decodeHelloAck(body: Uint8Array): { nodeId: string; incarnation: string; hostId: string } {
+export function decodeHelloAck(body: Uint8Array): { nodeId: string; incarnation: string; hostId: string; maxChunkBytes: number } {
   const r = new ByteReader(body, 'HELLO_ACK frame');
-  const v = { nodeId: r.str8('node id'), incarnation: r.str8('incarnation'), hostId: r.str8('host id') };
+  const v = { nodeId: r.str8('node id'), incarnation: r.str8('incarnation'), hostId: r.str8('host id'), maxChunkBytes: r.u32('max chunk bytes') };
   r.end();
+  checkIdentity('HELLO_ACK', v.nodeId, v.incarnation, v.hostId);
+  if (v.maxChunkBytes === 0) throw new InvalidInputError('HELLO_ACK max chunk bytes is 0', { details: { field: 'maxChunkBytes' } });
   return v;
 }
 

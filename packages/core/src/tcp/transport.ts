@@ -76,12 +76,16 @@ export interface TcpTransportOptions {
   sendHighWaterMark?: number;
   /** A peer must finish its handshake within this. Default 10 s. */
   handshakeTimeoutMs?: number;
-  /** How long a retiring connection waits for the peer before it is closed abortively. Default 10 s. */
+  /** How long a retiring connection may go without progress before it is closed abortively. Default 10 s. */
   retireTimeoutMs?: number;
+  /** How long revoke() lets sockets still using a registration finish before closing them. Default 2 s. */
+  revokeGraceMs?: number;
 }
 
 const ENDPOINT_MAGIC = [0x54, 0x57, 0x54, 0x01]; // TWT v1
 const REVOKED_MEMORY = 4096;
+/** How long a cancelled read may wait for the one read libuv can still do into its buffer. */
+const CANCEL_GRACE_MS = 200;
 
 /** The TCP endpoint blob: where to dial. */
 export function encodeTcpEndpoint(host: string, port: number): Uint8Array {
@@ -103,25 +107,34 @@ export function decodeTcpEndpoint(blob: Uint8Array): { host: string; port: numbe
   return { host, port };
 }
 
-/** A registration: the memory, its grant token, and how many socket operations still use it. */
+/** A registration: the memory, its grant token, and which sockets still use it (and how often). */
 class TcpGrant {
   readonly token: Uint8Array;
   readonly key: string;
   readonly buffer: Uint8Array;
   revoked = false;
   users = 0;
+  readonly #byStream = new Map<TcpStream, number>();
   #idle: Deferred<void> | undefined;
   constructor(buffer: Uint8Array) {
     this.token = randomBytes(TOKEN_BYTES);
     this.key = toHex(this.token);
     this.buffer = buffer;
   }
-  acquire(): void {
+  acquire(stream: TcpStream): void {
     this.users++;
+    this.#byStream.set(stream, (this.#byStream.get(stream) ?? 0) + 1);
   }
-  release(): void {
+  release(stream: TcpStream): void {
     this.users--;
+    const n = (this.#byStream.get(stream) ?? 1) - 1;
+    if (n <= 0) this.#byStream.delete(stream);
+    else this.#byStream.set(stream, n);
     if (this.users === 0 && this.#idle) this.#idle.resolve();
+  }
+  /** Sockets that still read from or write into this memory. */
+  get streams(): TcpStream[] {
+    return [...this.#byStream.keys()];
   }
   idle(): Promise<void> {
     if (this.users === 0) return Promise.resolve();
@@ -158,7 +171,8 @@ class TcpStream implements FrameSink {
   readonly #transport: TcpTransport;
   readonly #pending = new Map<number, Pending>();
   #nextId = 1;
-  #pausedForDrain = false;
+  /** READ_REQs waiting while the send queue is above the high-water mark (about 40 bytes each). */
+  readonly #serveQueue: { reqId: number; body: Uint8Array }[] = [];
   #sentGoaway = false;
   #receivedGoaway = false;
   #ended = false;
@@ -177,12 +191,9 @@ class TcpStream implements FrameSink {
     this.closed = new Promise((resolve) => socket.once('close', () => resolve()));
     socket.on('error', (e) => owner.streamFailed(this, new ConnectionBrokenError(`socket error: ${e.message}`, { cause: e }), true));
     socket.on('close', () => owner.streamFailed(this, new ConnectionBrokenError('the peer closed the connection'), false));
-    socket.on('drain', () => {
-      if (this.#pausedForDrain) {
-        this.#pausedForDrain = false;
-        socket.resume();
-      }
-    });
+    // Backpressure without pausing the socket: pausing would also stop replies to our own
+    // requests, and two peers reading from each other would deadlock. Requests queue instead.
+    socket.on('drain', () => this.#serveQueued());
   }
 
   get pendingCount(): number {
@@ -195,6 +206,7 @@ class TcpStream implements FrameSink {
   }
 
   feed(chunk: Uint8Array): void {
+    this.#owner.progress();
     try {
       this.parser.push(chunk);
     } catch (e) {
@@ -203,11 +215,13 @@ class TcpStream implements FrameSink {
   }
 
   commit(n: number): void {
+    this.#owner.progress();
     try {
       this.parser.commit(n);
     } catch (e) {
       this.#protocolError(e);
     }
+    this.afterRead();
   }
 
   #protocolError(e: unknown): void {
@@ -228,7 +242,8 @@ class TcpStream implements FrameSink {
     }
     switch (type) {
       case FrameType.ReadReq:
-        this.#serveRead(reqId, body);
+        if (this.#serveQueue.length > 0 || this.#overHighWater()) this.#serveQueue.push({ reqId, body });
+        else this.#serveRead(reqId, body);
         return;
       case FrameType.WriteAck: {
         const p = this.#pending.get(reqId);
@@ -279,7 +294,7 @@ class TcpStream implements FrameSink {
     this.#incomingWrite = undefined;
     if (!w) return;
     if (w.grant) {
-      w.grant.release();
+      w.grant.release(this);
       this.#send([frameHeader(FrameType.WriteAck, reqId, 0)]);
     } else {
       this.#send([encodeError(reqId, w.code, w.message)]);
@@ -290,6 +305,10 @@ class TcpStream implements FrameSink {
 
   writeTarget(reqId: number, head: Uint8Array, length: number): Uint8Array | undefined {
     void reqId;
+    if (!this.established || this.onHandshakeFrame) {
+      this.#protocolError(new InvalidInputError('WRITE_REQ before the handshake finished'));
+      return undefined;
+    }
     let parsed: { token: Uint8Array; offset: number };
     try {
       parsed = decodeWriteHead(head);
@@ -302,7 +321,7 @@ class TcpStream implements FrameSink {
       this.#incomingWrite = { grant: undefined, code: check.split(':')[0] as string, message: check };
       return undefined;
     }
-    check.acquire();
+    check.acquire(this);
     this.#incomingWrite = { grant: check, code: '', message: '' };
     return check.buffer.subarray(parsed.offset, parsed.offset + length);
   }
@@ -322,10 +341,22 @@ class TcpStream implements FrameSink {
       this.#send([encodeError(reqId, check.split(':')[0] as string, check)]);
       return;
     }
-    check.acquire();
+    check.acquire(this);
     const data = check.buffer.subarray(req.offset, req.offset + req.length);
     // The memory is referenced (not copied) by the socket until the write callback.
-    this.#send([frameHeader(FrameType.ReadData, reqId, req.length), data], () => check.release());
+    this.#send([frameHeader(FrameType.ReadData, reqId, req.length), data], () => check.release(this));
+  }
+
+  #overHighWater(): boolean {
+    return this.socket.writableLength > this.#transport.sendHighWaterMark;
+  }
+
+  #serveQueued(): void {
+    while (this.#serveQueue.length > 0 && !this.#overHighWater() && !this.socket.destroyed) {
+      const next = this.#serveQueue.shift() as { reqId: number; body: Uint8Array };
+      this.#serveRead(next.reqId, next.body);
+    }
+    if (this.#serveQueue.length === 0) this.maybeEnd();
   }
 
   #send(parts: Uint8Array[], done?: () => void): void {
@@ -340,11 +371,6 @@ class TcpStream implements FrameSink {
       s.write(parts[i] as Uint8Array, last && done ? () => done() : undefined);
     }
     s.uncork();
-    // Backpressure: stop reading new requests while too much waits to be sent.
-    if (s.writableLength > this.#transport.sendHighWaterMark && !this.#pausedForDrain) {
-      this.#pausedForDrain = true;
-      s.pause();
-    }
   }
 
   // --- requesting ----------------------------------------------------------------------
@@ -357,21 +383,28 @@ class TcpStream implements FrameSink {
     const pendings: Pending[] = [];
     const signal = options.signal;
     if (signal.aborted) throw errorFromSignal(signal, 'transfer');
+    // Check everything before issuing anything: a batch never fails half-sent.
+    for (const c of chunks) {
+      const grant = c.local as TcpGrant;
+      if (!(grant instanceof TcpGrant) || grant.revoked) throw new InvalidInputError('local registration is not a live tcp registration');
+      if (c.localOffset + c.length > grant.buffer.length || c.length > this.#owner.maxChunkBytes) {
+        throw new InvalidInputError(`chunk ${c.localOffset}+${c.length} does not fit the local registration or the connection's chunk limit`);
+      }
+    }
     for (const c of chunks) {
       const grant = c.local as TcpGrant;
       const remote = c.remote as RemoteGrant;
-      if (!(grant instanceof TcpGrant) || grant.revoked) throw new InvalidInputError('local registration is not a live tcp registration');
       const id = this.#allocId();
       if (c.op === 'read') {
         const dest = grant.buffer.subarray(c.localOffset, c.localOffset + c.length);
-        grant.acquire();
+        grant.acquire(this);
         const p: Pending = { id, kind: 'read', dest, source: undefined, grant, flushed: true, cancelled: false, done: deferred<void>() };
         this.#pending.set(id, p);
         pendings.push(p);
         this.#send([encodeReadReq(id, remote.token, c.remoteOffset, c.length)]);
       } else {
         const source = grant.buffer.subarray(c.localOffset, c.localOffset + c.length);
-        grant.acquire();
+        grant.acquire(this);
         const p: Pending = { id, kind: 'write', dest: undefined, source, grant, flushed: false, cancelled: false, done: deferred<void>() };
         this.#pending.set(id, p);
         pendings.push(p);
@@ -399,7 +432,7 @@ class TcpStream implements FrameSink {
   #flushed(p: Pending): void {
     p.flushed = true;
     if (p.grant && p.kind === 'write') {
-      p.grant.release();
+      p.grant.release(this);
       p.grant = undefined;
     }
   }
@@ -407,7 +440,7 @@ class TcpStream implements FrameSink {
   #settle(p: Pending, error?: TensorwireError): void {
     this.#pending.delete(p.id);
     if (p.kind === 'read' && p.grant) {
-      p.grant.release();
+      p.grant.release(this);
       p.grant = undefined;
     }
     if (error) p.done.reject(error);
@@ -429,33 +462,67 @@ class TcpStream implements FrameSink {
   #cancel(pendings: readonly Pending[], error: TensorwireError): void {
     const live = pendings.filter((p) => this.#pending.get(p.id) === p && !p.cancelled);
     if (live.length === 0) return;
-    const receiving = this.parser.receivingInto;
-    const readTouching = receiving !== undefined && live.some((p) => p.kind === 'read' && p.dest === receiving);
-    const writeTouching = live.some((p) => p.kind === 'write' && !p.flushed);
     for (const p of live) p.cancelError = error;
-    if (writeTouching || (readTouching && this.#transport.usesUserBuffers(this))) {
-      // The socket still reads from or (with onread) already holds a destination buffer:
-      // destroying it is the only way to guarantee it stops touching that memory. destroy()
-      // closes the fd synchronously (uv_close), so no byte moves after it returns.
-      this.#owner.streamFailed(this, new ConnectionBrokenError(`stream closed to quiesce a cancelled transfer (${error.message})`), true);
+    if (live.some((p) => p.kind === 'write' && !p.flushed)) {
+      // The socket still holds payload that reads from the caller's memory: only destroying
+      // it stops that. destroy() closes the fd synchronously (uv_close); nothing moves after.
+      this.#owner.streamFailed(this, new ConnectionBrokenError(`stream closed to quiesce a cancelled write (${error.message})`), true);
       return;
     }
-    if (readTouching) this.parser.detachTarget(); // copy mode: the rest of this frame goes to scratch
+    const receiving = this.parser.receivingInto;
+    const inFlight = receiving === undefined ? undefined : live.find((p) => p.kind === 'read' && p.dest === receiving);
+    if (inFlight) this.parser.detachTarget(); // the rest of this frame is counted, not stored
     for (const p of live) {
-      p.cancelled = true;
-      if (p.kind === 'read' && p.grant) {
-        p.grant.release();
-        p.grant = undefined;
-      }
-      p.done.reject(error);
+      if (p === inFlight && this.#transport.usesUserBuffers(this)) continue;
+      this.#settleCancelled(p, error);
     }
+    if (inFlight && this.#transport.usesUserBuffers(this)) {
+      // With onread, libuv was already handed this destination for its next read: one more
+      // read may land there. Settle after that read, or, if the peer sends nothing more
+      // within the grace period, destroy the socket to take the buffer back.
+      this.#armed = inFlight;
+      this.#armedTimer = setTimeout(() => {
+        if (this.#armed === inFlight) {
+          this.#armed = undefined;
+          this.#owner.streamFailed(this, new ConnectionBrokenError(`stream closed to quiesce a cancelled read (${error.message})`), true);
+        }
+      }, CANCEL_GRACE_MS);
+    }
+  }
+
+  #armed: Pending | undefined;
+  #armedTimer: NodeJS.Timeout | undefined;
+
+  /** revoke() gave up waiting for this socket to stop using a registration. */
+  abortForRevoke(): void {
+    this.#owner.streamFailed(this, new ConnectionBrokenError('a registration this connection was using was revoked and the transfer did not finish in time'), true);
+  }
+
+  /** Called after every read on an onread socket: the buffer libuv held has been used. */
+  afterRead(): void {
+    const p = this.#armed;
+    if (!p) return;
+    this.#armed = undefined;
+    clearTimeout(this.#armedTimer);
+    this.#settleCancelled(p, p.cancelError as TensorwireError);
+  }
+
+  #settleCancelled(p: Pending, error: TensorwireError): void {
+    p.cancelled = true;
+    if (p.kind === 'read' && p.grant) {
+      p.grant.release(this);
+      p.grant = undefined;
+    }
+    p.done.reject(error);
   }
 
   /** Fail every request (the socket is gone or going). Called after the socket is destroyed. */
   failAll(error: TensorwireError): void {
+    if (this.#armedTimer) clearTimeout(this.#armedTimer);
+    this.#armed = undefined;
     for (const p of [...this.#pending.values()]) {
       if (p.grant) {
-        p.grant.release();
+        p.grant.release(this);
         p.grant = undefined;
       }
       this.#pending.delete(p.id);
@@ -463,7 +530,7 @@ class TcpStream implements FrameSink {
     }
     const w = this.#incomingWrite;
     this.#incomingWrite = undefined;
-    w?.grant?.release();
+    w?.grant?.release(this);
   }
 
   // --- retiring ------------------------------------------------------------------------
@@ -491,7 +558,7 @@ class TcpStream implements FrameSink {
       this.#sentGoaway = true;
       this.#send([frameHeader(FrameType.Goaway, 0, 0)]);
     }
-    if (this.#pending.size > 0) return;
+    if (this.#pending.size > 0 || this.#serveQueue.length > 0) return;
     this.#ended = true;
     this.socket.end();
   }
@@ -503,7 +570,10 @@ export class TcpConnection implements TransportConnection {
   readonly peer: NodeIdentity;
   readonly initiator: string;
   readonly streams: number;
+  /** The smaller of the two sides' chunk limits, agreed in the handshake. */
+  maxChunkBytes: number;
   readonly #streams: TcpStream[] = [];
+  #lastProgress = Date.now();
   readonly #closeListeners: ((e: TensorwireError | undefined) => void)[] = [];
   readonly #retireListeners: (() => void)[] = [];
   readonly #owner: TcpTransport;
@@ -512,11 +582,17 @@ export class TcpConnection implements TransportConnection {
   #closed: Promise<void> | undefined;
   #retired: Promise<void> | undefined;
 
-  constructor(owner: TcpTransport, peer: NodeIdentity, initiator: string, streams: number) {
+  constructor(owner: TcpTransport, peer: NodeIdentity, initiator: string, streams: number, maxChunkBytes: number) {
     this.#owner = owner;
     this.peer = peer;
     this.initiator = initiator;
     this.streams = streams;
+    this.maxChunkBytes = maxChunkBytes;
+  }
+
+  /** @internal bytes arrived: a retiring connection that still moves data is not stuck. */
+  progress(): void {
+    this.#lastProgress = Date.now();
   }
 
   get isOpen(): boolean {
@@ -572,7 +648,17 @@ export class TcpConnection implements TransportConnection {
   #retireTimer: NodeJS.Timeout | undefined;
   #armRetireTimer(): void {
     if (this.#retireTimer) return;
-    this.#retireTimer = setTimeout(() => void this.close(new ConnectionBrokenError('peer did not finish retiring the connection in time')), this.#owner.retireTimeoutMs);
+    const check = (): void => {
+      // Only a retirement that has stopped making progress is cut short.
+      const idle = Date.now() - this.#lastProgress;
+      if (idle >= this.#owner.retireTimeoutMs) {
+        void this.close(new ConnectionBrokenError('peer did not finish retiring the connection in time'));
+        return;
+      }
+      this.#retireTimer = setTimeout(check, this.#owner.retireTimeoutMs - idle);
+      this.#retireTimer.unref();
+    };
+    this.#retireTimer = setTimeout(check, this.#owner.retireTimeoutMs);
     this.#retireTimer.unref();
   }
 
@@ -617,6 +703,7 @@ export class TcpTransport implements Transport {
   readonly maxChunkBytes: number;
   readonly retireTimeoutMs: number;
   readonly sendHighWaterMark: number;
+  readonly revokeGraceMs: number;
   readonly #options: Required<Omit<TcpTransportOptions, 'advertiseHost'>> & { advertiseHost: string | undefined };
   readonly #grants = new Map<string, TcpGrant>();
   readonly #revokedKeys = new Set<string>();
@@ -645,10 +732,16 @@ export class TcpTransport implements Transport {
       sendHighWaterMark: options.sendHighWaterMark ?? 8 * 1024 * 1024,
       handshakeTimeoutMs: options.handshakeTimeoutMs ?? 10_000,
       retireTimeoutMs: options.retireTimeoutMs ?? 10_000,
+      revokeGraceMs: options.revokeGraceMs ?? 2_000,
     };
+    for (const f of ['sendHighWaterMark', 'handshakeTimeoutMs', 'retireTimeoutMs', 'revokeGraceMs'] as const) {
+      const v = this.#options[f];
+      if (!Number.isSafeInteger(v) || v < 1 || v > 0x7fffffff) throw new InvalidInputError(`${f} must be an integer from 1 to 2^31-1, got ${v}`, { details: { field: f } });
+    }
     this.maxChunkBytes = maxChunkBytes;
     this.retireTimeoutMs = this.#options.retireTimeoutMs;
     this.sendHighWaterMark = this.#options.sendHighWaterMark;
+    this.revokeGraceMs = this.#options.revokeGraceMs;
     this.capabilities = Object.freeze({
       local: true,
       remote: true,
@@ -729,6 +822,7 @@ export class TcpTransport implements Transport {
 
   async revoke(handle: object): Promise<void> {
     if (!(handle instanceof TcpGrant)) throw new InvalidInputError('not a tcp registration handle');
+    const wasLive = !handle.revoked;
     if (!handle.revoked) {
       handle.revoked = true;
       this.#grants.delete(handle.key);
@@ -738,7 +832,17 @@ export class TcpTransport implements Transport {
         this.#revokedKeys.delete(oldest);
       }
     }
-    await handle.idle();
+    if (!wasLive || handle.users === 0) return handle.idle();
+    // Let sends and receives in progress finish; a peer that stalls them (stops reading, or
+    // stops mid-payload) must not hold the memory forever: its sockets are closed.
+    const timer = setTimeout(() => {
+      for (const stream of handle.streams) stream.abortForRevoke();
+    }, this.revokeGraceMs);
+    try {
+      await handle.idle();
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
   decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
@@ -786,7 +890,7 @@ export class TcpTransport implements Transport {
     const { host: addr, port } = decodeTcpEndpoint(endpoint);
     const streams = Math.max(1, Math.min(options.streams, this.capabilities.maxStreams));
     const connectionId = randomBytes(16);
-    const conn = new TcpConnection(this, peer, host.identity.nodeId, streams);
+    const conn = new TcpConnection(this, peer, host.identity.nodeId, streams, this.maxChunkBytes);
     const signal = options.signal;
     if (signal.aborted) throw errorFromSignal(signal, `connect to ${peer.nodeId}`);
     const opened: TcpStream[] = [];
@@ -808,7 +912,9 @@ export class TcpTransport implements Transport {
             hostId: host.identity.hostId,
             expectedNodeId: peer.nodeId,
             expectedIncarnation: peer.incarnation,
+            maxChunkBytes: this.maxChunkBytes,
           }, signal);
+          conn.maxChunkBytes = Math.min(conn.maxChunkBytes, ack.maxChunkBytes);
           if (ack.nodeId !== peer.nodeId || ack.incarnation !== peer.incarnation) {
             throw new ConnectionBrokenError(
               `${addr}:${port} is ${ack.nodeId} incarnation ${ack.incarnation}, expected ${peer.nodeId} incarnation ${peer.incarnation}`,
@@ -859,15 +965,19 @@ export class TcpTransport implements Transport {
       this.#userBufferStreams.add(stream);
       opened.push(stream);
       const onError = (e: Error): void => reject(new ConnectionBrokenError(`cannot connect to ${host}:${port}: ${(e as NodeJS.ErrnoException).code ?? e.message}`, { cause: e }));
+      // A socket destroyed while still connecting (abort, deadline) emits no 'error': settle on 'close' too.
+      const onClose = (): void => reject(new ConnectionBrokenError(`connection to ${host}:${port} closed before it was established`));
       socket.once('error', onError);
+      socket.once('close', onClose);
       socket.once('connect', () => {
         socket.off('error', onError);
+        socket.off('close', onClose);
         resolve(stream);
       });
     });
   }
 
-  #handshake(stream: TcpStream, hello: Parameters<typeof encodeHello>[0], signal: AbortSignal): Promise<{ nodeId: string; incarnation: string; hostId: string }> {
+  #handshake(stream: TcpStream, hello: Parameters<typeof encodeHello>[0], signal: AbortSignal): Promise<ReturnType<typeof decodeHelloAck>> {
     return new Promise((resolve, reject) => {
       const fail = (e: TensorwireError): void => {
         cleanup();
@@ -915,8 +1025,9 @@ export class TcpTransport implements Transport {
     // A placeholder connection until HELLO tells us which one this socket belongs to.
     const timer = setTimeout(() => socket.destroy(), this.#options.handshakeTimeoutMs);
     timer.unref();
-    const provisional = new TcpConnection(this, { nodeId: 'unknown', incarnation: 'unknown', hostId: 'unknown' }, 'unknown', 1);
+    const provisional = new TcpConnection(this, { nodeId: 'unknown', incarnation: 'unknown', hostId: 'unknown' }, 'unknown', 1, this.maxChunkBytes);
     const stream = new TcpStream(socket, undefined, provisional, this);
+    provisional.addStream(stream, 0); // so a protocol error before HELLO closes this socket
     const refuse = (code: string, message: string): void => {
       this.#logger?.warn('tcp handshake refused', { code, message, remote: socket.remoteAddress });
       clearTimeout(timer);
@@ -936,7 +1047,7 @@ export class TcpTransport implements Transport {
         return;
       }
       const me = host.identity;
-      if (hello.expectedNodeId !== me.nodeId || (hello.expectedIncarnation !== '' && hello.expectedIncarnation !== me.incarnation)) {
+      if (hello.expectedNodeId !== me.nodeId || hello.expectedIncarnation !== me.incarnation) {
         refuse('WRONG_PEER', `this is ${me.nodeId} incarnation ${me.incarnation}, not ${hello.expectedNodeId} incarnation ${hello.expectedIncarnation}`);
         return;
       }
@@ -949,7 +1060,7 @@ export class TcpTransport implements Transport {
       let group = this.#pendingInbound.get(key);
       if (!group) {
         const peer: NodeIdentity = { nodeId: hello.nodeId, incarnation: hello.incarnation, hostId: hello.hostId };
-        const conn = new TcpConnection(this, peer, hello.nodeId, hello.streamCount);
+        const conn = new TcpConnection(this, peer, hello.nodeId, hello.streamCount, Math.min(this.maxChunkBytes, hello.maxChunkBytes));
         const gtimer = setTimeout(() => {
           this.#pendingInbound.delete(key);
           void conn.close(new ConnectionBrokenError('peer did not open all streams of its connection in time'));
@@ -969,11 +1080,12 @@ export class TcpTransport implements Transport {
       socket.removeAllListeners('close');
       socket.removeAllListeners('drain');
       socket.once('close', () => this.#sockets.delete(socket));
-      const real = new TcpStream(socket, undefined, conn, this);
+      // The same parser carries on: bytes that followed HELLO in this chunk go to the real stream.
+      const real = new TcpStream(socket, stream.parser, conn, this);
       real.established = true;
       real.attachCopyReader();
       conn.addStream(real, hello.streamIndex);
-      socket.write(encodeHelloAck(me.nodeId, me.incarnation, me.hostId));
+      socket.write(encodeHelloAck(me.nodeId, me.incarnation, me.hostId, this.maxChunkBytes));
       group.arrived++;
       if (group.arrived === conn.streams) {
         clearTimeout(group.timer);

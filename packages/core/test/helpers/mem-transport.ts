@@ -29,6 +29,8 @@ export interface MemTransportOptions {
   /** Called before each execute; may throw to inject an error. */
   beforeExecute?: (stream: number, chunks: readonly TransferChunk[]) => void;
   unreachable?: string;
+  /** connect() never settles (a black-holed peer whose transport ignores the signal). */
+  connectHangs?: boolean;
 }
 
 export class MemTransport implements Transport {
@@ -75,7 +77,10 @@ export class MemTransport implements Transport {
   decodeRemote(payload: Uint8Array): unknown {
     return Buffer.from(payload).toString('hex');
   }
+  connectCalls = 0;
   async connect(peer: NodeIdentity, _endpoint: Uint8Array, options: ConnectOptions): Promise<TransportConnection> {
+    this.connectCalls++;
+    if (this.#opts.connectHangs) return new Promise<TransportConnection>(() => undefined);
     const c = new MemConnection(this, peer, this.host?.identity.nodeId ?? '?', options.streams, this.#opts.beforeExecute);
     this.connections.push(c);
     return c;
