@@ -367,6 +367,13 @@ class Device : public Napi::ObjectWrap<Device> {
     tsfn_ = Napi::ThreadSafeFunction::New(env, info[1].As<Napi::Function>(), "tensorwire-rdma-completions", 0, 1);
     tsfn_.Unref(env);  // pending transfers keep the loop alive through their deadline timers
     haveTsfn_ = true;
+    // Environment teardown (worker exit, process exit without close()): the ThreadSafeFunction
+    // registers its own cleanup hook, which closes and frees it; object and instance-data
+    // finalizers run only after that. Hooks run in reverse order of registration, so this
+    // one, added after the tsfn's, stops the poller and releases the tsfn while both are
+    // still valid (otherwise the poller would call into, and Teardown release, a freed tsfn).
+    env_ = env;
+    if (napi_add_env_cleanup_hook(env, &Device::EnvCleanup, this) == napi_ok) cleanupHook_ = true;
     running_ = true;
     counters_->threads++;
     poller_ = std::thread([this] { PollLoop(); });
@@ -376,11 +383,21 @@ class Device : public Napi::ObjectWrap<Device> {
 
   ~Device() override { Teardown(); }
 
+  static void EnvCleanup(void* arg) {
+    Device* self = static_cast<Device*>(arg);
+    self->cleanupHook_ = false;  // being run: nothing to remove
+    self->Teardown();
+  }
+
   // Called on environment teardown and by close(): idempotent.
   void Teardown() {
     if (torn_) return;
     torn_ = true;
     open_ = false;
+    if (cleanupHook_) {
+      cleanupHook_ = false;
+      napi_remove_env_cleanup_hook(env_, &Device::EnvCleanup, this);
+    }
     auto& live = addon_->liveDevices;
     for (auto it = live.begin(); it != live.end(); ++it) {
       if (*it == this) {
@@ -444,6 +461,8 @@ class Device : public Napi::ObjectWrap<Device> {
 
  private:
   RdmaAddon* addon_ = nullptr;
+  napi_env env_ = nullptr;
+  bool cleanupHook_ = false;
   std::shared_ptr<Counters> counters_;
   std::string name_;
   ibv_context* ctx_ = nullptr;
@@ -500,12 +519,19 @@ class Device : public Napi::ObjectWrap<Device> {
         break;
       }
       auto* batch = new CompletionBatch();
+      bool failed = false;
       {
         std::lock_guard<std::mutex> lock(mu_);
         for (;;) {
           ibv_cq* cq = nullptr;
           void* cqctx = nullptr;
-          if (v.get_cq_event(channel_, &cq, &cqctx) != 0) break;  // EAGAIN: drained
+          errno = 0;
+          if (v.get_cq_event(channel_, &cq, &cqctx) != 0) {
+            int e = errno;
+            if (e == EAGAIN || e == EINTR) break;  // drained (EWOULDBLOCK == EAGAIN on Linux)
+            failed = true;  // EIO: device disassociated; reading again would spin
+            break;
+          }
           v.ack_cq_events(cq, 1);
           uint32_t cqId = static_cast<uint32_t>(reinterpret_cast<uintptr_t>(cqctx));
           auto it = cqs_.find(cqId);
@@ -525,11 +551,16 @@ class Device : public Napi::ObjectWrap<Device> {
           }
         }
       }
+      if (failed) {
+        // The completions polled so far, then the device-level failure.
+        batch->values.insert(batch->values.end(), {0, 0, -1, 0, 0});
+      }
       if (batch->values.empty()) {
         delete batch;
       } else {
         Deliver(batch);
       }
+      if (failed) break;
     }
   }
 

@@ -94,7 +94,7 @@ export interface RdmaTransportOptions {
   listenPort?: number;
   /** Address peers dial; default the GID's IPv4 (RoCE), else the first non-internal IPv4, else 127.0.0.1. */
   advertiseHost?: string;
-  /** Largest chunk; default 64 MiB (a work request carries at most 2 GiB). */
+  /** Largest chunk; default 64 MiB (capped at 1 GiB, ConnectX's max_msg_sz). */
   maxChunkBytes?: number;
   /** Preference among transports (TCP is 10). Default 100. */
   rank?: number;
@@ -102,6 +102,8 @@ export interface RdmaTransportOptions {
   serviceLevel?: number;
   /** How long to wait for flushed completions before destroying the QPs. Default 10 s. */
   quiesceTimeoutMs?: number;
+  /** After retire() has drained this side, how long to wait for the peer to drain. Default 30 s. */
+  retireTimeoutMs?: number;
   /** Accept-side handshake deadline. Default 10 s. */
   handshakeTimeoutMs?: number;
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
@@ -110,7 +112,12 @@ export interface RdmaTransportOptions {
 }
 
 const ACCESS = Access.LocalWrite | Access.RemoteRead | Access.RemoteWrite;
-const MAX_WR_BYTES = 0x80000000;
+/**
+ * Largest work request. The IB spec allows 2 GiB, but ConnectX (mlx5) ports report
+ * max_msg_sz = 1 GiB and fail a longer READ/WRITE with a local length error, which takes the
+ * queue pair to ERR. 1 GiB is safe on every HCA we know of.
+ */
+const MAX_WR_BYTES = 0x40000000;
 const POST_BATCH = 32;
 
 /** A registration's handle: opaque to the engine. */
@@ -222,7 +229,8 @@ class Control {
   }
   onMessage(listener: (m: ControlMessage) => void): void {
     this.#listener = listener;
-    for (const m of this.#backlog.splice(0)) listener(m);
+    // A one-shot listener (next()) unsets itself: leave the rest for the next listener.
+    while (this.#backlog.length > 0 && this.#listener === listener) listener(this.#backlog.shift() as ControlMessage);
   }
   onFailure(listener: (e: TensorwireError) => void): void {
     this.#failure = listener;
@@ -290,7 +298,10 @@ export class RdmaConnection implements TransportConnection {
   #retiring: Promise<void> | undefined;
   #closeError: TensorwireError | undefined;
   #peerClosed = false;
+  #peerRetiring = false;
   #drained: (() => void) | undefined;
+  /** Set while retire() waits for the peer's 'close'. */
+  #peerDrained: (() => void) | undefined;
 
   /** @internal */
   constructor(owner: RdmaTransport, device: NativeDevice, native: NativeAddon, control: Control, peer: NodeIdentity, initiator: string, q: Queues) {
@@ -490,6 +501,12 @@ export class RdmaConnection implements TransportConnection {
       p.op.done++;
     } else if (status === WcStatus.WrFlushErr) {
       p.op.error ??= this.#closeError ?? new ConnectionBrokenError(`work request flushed: the queue pair to ${this.peer.nodeId} is in error`);
+      // A flush we did not cause (we move QPs to ERR only in #shutdown) means the QP went to
+      // ERR on its own (a fatal/async error, the responder's QP failing): every later work
+      // request would flush too, so the connection is broken. Quiesce it.
+      if (this.#state === 'open' || this.#state === 'retiring') {
+        void this.#shutdown(new ConnectionBrokenError(`queue pair to ${this.peer.nodeId} is in error: its work requests are flushed`), undefined);
+      }
     } else {
       const err = wcError(status, vendorErr, this.#native, this.peer.nodeId);
       p.op.error ??= err;
@@ -531,22 +548,57 @@ export class RdmaConnection implements TransportConnection {
 
   #onControl(m: ControlMessage): void {
     if (m.type === 'retire') {
+      this.#peerRetiring = true;
       for (const l of this.#retireListeners.splice(0)) l();
+      // The peer is retiring the connection: this side retires it too (no new work; what is
+      // in flight finishes), and both close once each has told the other it is drained.
+      void this.retire().catch(() => undefined);
     } else if (m.type === 'close') {
       this.#peerClosed = true;
+      if (this.#state === 'retiring') {
+        // Orderly: the peer has nothing in flight and posts nothing more. Its QPs stay up until
+        // our own 'close'; an abortive close follows with the control socket ending.
+        this.#peerDrained?.();
+        return;
+      }
       void this.#shutdown(this.#byWr.size === 0 && this.#ops.size === 0 ? undefined : new ConnectionBrokenError(`peer ${this.peer.nodeId} closed the connection`), undefined);
     } else {
       void this.#shutdown(new ConnectionBrokenError(`unexpected ${m.type} message from ${this.peer.nodeId}`), undefined);
     }
   }
 
+  /**
+   * Graceful close. Both sides retire (a 'retire' from the peer makes this side retire too);
+   * each waits for its own operations, then sends 'close' ("drained: nothing of mine is on
+   * the NIC, nothing more will be posted"), and destroys its queue pairs only after the
+   * peer's 'close' too, so READs and WRITEs the peer still has in flight against this side
+   * are served to the end instead of failing on a destroyed queue pair.
+   */
   retire(): Promise<void> {
     if (this.#retiring) return this.#retiring;
     if (this.#state !== 'open') return (this.#retiring = this.#closing ?? Promise.resolve());
     this.#state = 'retiring';
-    this.#control.send({ type: 'retire' });
+    if (!this.#peerRetiring) this.#control.send({ type: 'retire' });
     this.#retiring = (async () => {
       if (this.#ops.size > 0) await new Promise<void>((r) => (this.#idle = r));
+      if (this.#state === 'retiring') {
+        this.#control.send({ type: 'close' });
+        if (!this.#peerClosed) {
+          const timedOut = await new Promise<boolean>((resolve) => {
+            const timer = setTimeout(() => resolve(true), this.#owner.retireTimeoutMs);
+            timer.unref();
+            this.#peerDrained = () => {
+              clearTimeout(timer);
+              resolve(false);
+            };
+          });
+          this.#peerDrained = undefined;
+          if (timedOut) {
+            await this.#shutdown(new ConnectionBrokenError(`peer ${this.peer.nodeId} did not finish retiring the connection in time`), undefined);
+            return;
+          }
+        }
+      }
       await this.#shutdown(undefined, undefined);
     })();
     return this.#retiring;
@@ -564,6 +616,7 @@ export class RdmaConnection implements TransportConnection {
     if (this.#closing) return this.#closing;
     this.#state = 'closing';
     this.#closeError = reported;
+    this.#peerDrained?.();
     const failWith = opError ?? reported ?? new ClosedError(`rdma connection to ${this.peer.nodeId} closed`);
     this.#closing = (async () => {
       for (const op of [...this.#ops]) {
@@ -650,6 +703,7 @@ export class RdmaTransport implements Transport {
   readonly capabilities: TransportCapabilities;
   readonly queuePairsPerPeer: number;
   readonly quiesceTimeoutMs: number;
+  readonly retireTimeoutMs: number;
   logger: Logger;
   readonly #options: RdmaTransportOptions;
   #host: TransportHost | undefined;
@@ -677,6 +731,7 @@ export class RdmaTransport implements Transport {
     }
     this.queuePairsPerPeer = qps;
     this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
+    this.retireTimeoutMs = options.retireTimeoutMs ?? 30_000;
     const load = tryLoadNative();
     const dmabuf = 'addon' in load && options.cudaDmabuf !== undefined && load.addon.probe().dmabuf;
     const kinds: MemoryKind[] = dmabuf ? ['host', 'cuda'] : ['host'];
@@ -970,7 +1025,10 @@ export class RdmaTransport implements Transport {
     const ep = decodeEndpoint(endpoint);
     const unreachable = this.unreachableReason(peer, endpoint);
     if (unreachable !== undefined) throw new InvalidInputError(`cannot reach ${peer.nodeId} over rdma: ${unreachable}`);
-    const streams = Math.max(1, Math.min(options.streams, this.queuePairsPerPeer));
+    // Queue pairs per peer is this transport's setting, and the acceptor insists on its own
+    // count: opening fewer because the engine asked for fewer streams would be refused by
+    // every peer. The engine round-robins over `conn.streams`, so more streams are harmless.
+    const streams = this.queuePairsPerPeer;
     if (options.signal.aborted) throw errorFromSignal(options.signal, `rdma connect to ${peer.nodeId}`);
     const socket = createConnection({ host: ep.host, port: ep.port });
     const control = new Control(socket);
