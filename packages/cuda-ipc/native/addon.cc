@@ -215,6 +215,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("shmUnlinkAll", &Addon::ShmUnlinkAll),
         InstanceMethod("shmCreated", &Addon::ShmCreated),
         InstanceMethod("headerDecode", &Addon::HeaderDecode),
+        InstanceMethod("viewMeta", &Addon::ViewMetaJs),
         InstanceMethod("seqWrite", &Addon::SeqWriteJs),
         InstanceMethod("seqCheck", &Addon::SeqCheckJs),
         InstanceMethod("seqCopy", &Addon::SeqCopyJs),
@@ -370,6 +371,33 @@ class Addon : public Napi::Addon<Addon> {
     Status s = DecodeHeader(b.data, b.size, kind, expect, &m);
     if (!s.ok()) Throw(info.Env(), s);
     return MetaToJs(info.Env(), m);
+  }
+
+  // The id -> view hot path: the same validation and seqlock-consistent read as
+  // headerDecode(segment, pool, id), but the tensor fields go into a caller-owned
+  // Float64Array (state, device, byteLength, capacity, dtype, ndim, shape[8]) instead of a
+  // fresh 17-property object, and only the generation is returned (a bigint).
+  Napi::Value ViewMetaJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Bytes b = SegmentArg(info, 0);
+    std::string expect = StrArg(info, 1);
+    if (info.Length() <= 2 || !info[2].IsTypedArray() || info[2].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+      ThrowInvalid(env, "argument 2 must be a Float64Array");
+    }
+    Napi::Float64Array out = info[2].As<Napi::Float64Array>();
+    if (out.ElementLength() < 6 + kMaxNdim) ThrowInvalid(env, "argument 2 must hold at least " + std::to_string(6 + kMaxNdim) + " numbers");
+    Meta m;
+    Status s = DecodeHeader(b.data, b.size, kKindPool, expect, &m);
+    if (!s.ok()) Throw(env, s);
+    double* o = out.Data();
+    o[0] = m.state;
+    o[1] = m.device;
+    o[2] = static_cast<double>(m.byte_length);
+    o[3] = static_cast<double>(m.capacity);
+    o[4] = m.dtype;
+    o[5] = m.ndim;
+    for (uint32_t i = 0; i < kMaxNdim; i++) o[6 + i] = i < m.ndim ? static_cast<double>(m.shape[i]) : 0;
+    return Napi::BigInt::New(env, m.generation);
   }
 
   Napi::Value SeqWriteJs(const Napi::CallbackInfo& info) {

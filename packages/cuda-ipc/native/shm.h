@@ -59,7 +59,8 @@ struct InitParams {
   std::string id;
 };
 
-// Exclusive create (O_CREAT|O_EXCL, 0600), size, reserve (posix_fallocate), map, init header.
+// Exclusive create (O_CREAT|O_EXCL, 0600), size, reserve (posix_fallocate), map with every
+// page prefaulted (MAP_POPULATE), init header.
 Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p, Mapping* out);
 // Open an existing segment; refuses segments not owned by this uid or accessible to others.
 Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out);

@@ -86,6 +86,11 @@ export interface NativeAddon {
   shmUnlinkAll(): number;
   shmCreated(): string[];
   headerDecode(segment: ArrayBuffer, kind?: number, expectId?: string): SegmentMeta;
+  /**
+   * headerDecode(segment, pool, expectId) for the id -> view hot path: fills `out`
+   * (state, device, byteLength, capacity, dtype, ndim, shape[0..7]) and returns the generation.
+   */
+  viewMeta(segment: ArrayBuffer, expectId: string, out: Float64Array): bigint;
   seqWrite(segment: ArrayBuffer, capacity: number, src: Uint8Array, dtype: number, shape: readonly number[]): bigint;
   seqCheck(segment: ArrayBuffer, generation: bigint): boolean;
   seqCopy(segment: ArrayBuffer, expectId: string, dst: Uint8Array, maxAttempts?: number): SegmentMeta;
@@ -203,6 +208,7 @@ export const native: NativeAddon = {
   shmUnlinkAll: wrap('shmUnlinkAll'),
   shmCreated: wrap('shmCreated'),
   headerDecode: wrap('headerDecode'),
+  viewMeta: wrap('viewMeta'),
   seqWrite: wrap('seqWrite'),
   seqCheck: wrap('seqCheck'),
   seqCopy: wrap('seqCopy'),

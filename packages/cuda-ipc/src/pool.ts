@@ -81,6 +81,15 @@ export interface PoolViewInfo {
 
 const DEFAULT_MAX_SLOT = 16 * 2 ** 30;
 
+/** Indices into the Float64Array that native.viewMeta fills. */
+const VM_STATE = 0;
+const VM_DEVICE = 1;
+const VM_BYTE_LENGTH = 2;
+const VM_CAPACITY = 3;
+const VM_DTYPE = 4;
+const VM_NDIM = 5;
+const VM_SHAPE = 6;
+
 interface OwnedSlot {
   readonly id: string;
   readonly name: string;
@@ -88,6 +97,8 @@ interface OwnedSlot {
   readonly capacity: number;
   readonly device: number;
   readonly dtype: Dtype;
+  /** DTYPES[dtype].code, kept for the write hot path. */
+  readonly dtypeCode: number;
   readonly shape: readonly number[];
   readonly devicePointer: bigint | undefined;
 }
@@ -216,6 +227,10 @@ export class TensorPool implements AsyncDisposable {
   readonly #deferredFreeTimeoutMs: number;
   readonly #logger: Logger;
   #closed: Promise<void> | undefined;
+  /** Scratch for native.viewMeta (readSync's header read), see the VM_* indices. */
+  readonly #viewMeta = new Float64Array(VM_SHAPE + 8);
+  /** The slot of the last write (cleared when that slot is freed or the pool closes). */
+  #lastWritten: OwnedSlot | undefined;
 
   constructor(options: PoolOptions) {
     if (typeof options !== 'object' || options === null) throw new InvalidInputError('options must be an object');
@@ -290,7 +305,7 @@ export class TensorPool implements AsyncDisposable {
       });
       native.setState(mapping, SegmentState.Live);
       rememberRegion(mapping, { name, dataOffset: DATA_OFFSET, dataBytes: bytes });
-      this.#owned.set(id, { id, name, mapping, capacity: bytes, device, dtype, shape, devicePointer: undefined });
+      this.#owned.set(id, { id, name, mapping, capacity: bytes, device, dtype, dtypeCode: DTYPES[dtype].code, shape, devicePointer: undefined });
       return id;
     }
     const pointer = await native.cudaAlloc(device, bytes);
@@ -312,7 +327,7 @@ export class TensorPool implements AsyncDisposable {
         shape,
       });
       native.setState(mapping, SegmentState.Live);
-      this.#owned.set(id, { id, name, mapping, capacity: bytes, device, dtype, shape, devicePointer: pointer });
+      this.#owned.set(id, { id, name, mapping, capacity: bytes, device, dtype, dtypeCode: DTYPES[dtype].code, shape, devicePointer: pointer });
       return id;
     } catch (e) {
       await native.cudaFree(device, pointer).catch(() => undefined);
@@ -377,13 +392,30 @@ export class TensorPool implements AsyncDisposable {
     return { dtype, shape: [len / item] };
   }
 
+  /**
+   * The owned slot `id` for a write. The hot path (the slot written last, or any slot in
+   * the registry, which holds only this owner's whole ids) skips re-parsing the id; a miss
+   * goes through {@link #ownedSlot}, which names what is wrong (foreign owner, freed, unknown).
+   */
+  #slotForWrite(id: string): OwnedSlot {
+    const last = this.#lastWritten;
+    if (last !== undefined && last.id === id) return last;
+    const slot = this.#owned.get(id) ?? this.#ownedSlot(id, 'write');
+    this.#lastWritten = slot;
+    return slot;
+  }
+
   /** Write into a host slot (owner only), under the seqlock. Returns the new generation. */
-  writeSync(id: string, data: ArrayBufferView | ArrayBufferLike, options: WriteOptions = {}): bigint {
+  writeSync(id: string, data: ArrayBufferView | ArrayBufferLike, options?: WriteOptions): bigint {
     this.#assertOpen();
-    const slot = this.#ownedSlot(id, 'write');
+    const slot = this.#slotForWrite(id);
     if (slot.device >= 0) throw new InvalidInputError(`${id} is a ${deviceName(slot.device)} slot: use write()`, { details: { field: 'id' } });
     const bytes = toBytes(data, 'data');
-    const { dtype, shape } = this.#writeShape(slot, bytes.byteLength, options);
+    if (options === undefined && bytes.byteLength === slot.capacity) {
+      // The whole slot with its registered dtype and shape: nothing to re-derive.
+      return native.seqWrite(slot.mapping, slot.capacity, bytes, slot.dtypeCode, slot.shape);
+    }
+    const { dtype, shape } = this.#writeShape(slot, bytes.byteLength, options ?? {});
     return native.seqWrite(slot.mapping, slot.capacity, bytes, DTYPES[dtype].code, shape);
   }
 
@@ -466,12 +498,21 @@ export class TensorPool implements AsyncDisposable {
   readSync(id: string): PoolView {
     this.#assertOpen();
     const { mapping, foreign } = this.#mappingFor(id);
-    const meta = this.#decode(id, mapping);
-    if (meta.device >= 0) throw new InvalidInputError(`${id} is a ${deviceName(meta.device)} slot: use read()`, { details: { field: 'id' } });
+    // Same validation and seqlock read as #decode, without building a full metadata object.
+    const m = this.#viewMeta;
+    const generation = native.viewMeta(mapping, id, m);
+    if (m[VM_STATE] !== SegmentState.Live) throw new ClosedError(`pool ${id} was freed by its owner`, { details: { field: 'id' } });
+    const device = m[VM_DEVICE] as number;
+    if (device >= 0) throw new InvalidInputError(`${id} is a ${deviceName(device)} slot: use read()`, { details: { field: 'id' } });
+    const byteLength = m[VM_BYTE_LENGTH] as number;
+    const ndim = m[VM_NDIM] as number;
+    const shape: number[] = [];
+    for (let i = 0; i < ndim; i++) shape.push(m[VM_SHAPE + i] as number);
     // Sizes come from the validated header: dataOffset == 4096 and byteLength <= capacity == mapping size - 4096.
-    const buffer = new Uint8Array(mapping, DATA_OFFSET, meta.byteLength);
-    rememberRegion(mapping, { name: poolSegmentName(id), dataOffset: DATA_OFFSET, dataBytes: meta.capacity });
-    return new PoolView(this.#info(id, meta), mapping, buffer, undefined, this.#viewRelease(foreign));
+    const buffer = new Uint8Array(mapping, DATA_OFFSET, byteLength);
+    rememberRegion(mapping, { name: poolSegmentName(id), dataOffset: DATA_OFFSET, dataBytes: m[VM_CAPACITY] as number });
+    const info: PoolViewInfo = { id, dtype: dtypeFromCode(m[VM_DTYPE] as number), shape, byteLength, device: 'cpu', generation };
+    return new PoolView(info, mapping, buffer, undefined, this.#viewRelease(foreign));
   }
 
   /** Open a slot as a zero-copy view: host bytes, or an imported CUDA IPC pointer. */
@@ -555,6 +596,7 @@ export class TensorPool implements AsyncDisposable {
     this.#assertOpen();
     const slot = this.#ownedSlot(id, 'free');
     this.#owned.delete(id);
+    if (this.#lastWritten === slot) this.#lastWritten = undefined;
     this.#freed.add(id);
     // Dead first (seq_cst), then unlink: importers that race with us see dead and back out.
     this.#markDead(slot);
@@ -613,6 +655,7 @@ export class TensorPool implements AsyncDisposable {
   /** Free every owned slot (waiting for CUDA importers up to the timeout) and release every mapping. Idempotent. */
   close(): Promise<void> {
     this.#closed ??= (async () => {
+      this.#lastWritten = undefined;
       const frees: Promise<void>[] = [];
       for (const id of [...this.#owned.keys()]) {
         const slot = this.#owned.get(id) as OwnedSlot;
