@@ -16,6 +16,7 @@ import { SCENARIOS, type ScenarioName } from './scenarios/index.js';
 import { runScenario, runSettings } from './scenarios/run.js';
 import { startHolder } from './holder.js';
 import { runFetcher } from './fetcher.js';
+import { publishHolder, resolveHolder } from './discovery.js';
 import { iperf3, ucxPerftest } from './external.js';
 import { BenchError, type ScenarioContext, type ScenarioResult } from './types.js';
 import { parseBytes } from './units.js';
@@ -165,7 +166,8 @@ export function program(): Command {
     .option('--advertise <host>', 'address requesters use to reach this machine', '127.0.0.1')
     .option('--blocks <n>', 'blocks in the pool', '64')
     .option('--block-size <size>', 'bytes per block', '1MiB')
-    .action(async (o: { listen: string; advertise: string; blocks: string; blockSize: string }) => {
+    .option('--discovery <url>', 'publish this holder in etcd (etcd://HOST:PORT)')
+    .action(async (o: { listen: string; advertise: string; blocks: string; blockSize: string; discovery?: string }) => {
       const { host, port } = hostPort(o.listen, '--listen');
       const blocks = positive(o.blocks, '--blocks', 64);
       if (!Number.isInteger(blocks)) throw new BenchError('--blocks must be a whole number');
@@ -173,21 +175,31 @@ export function program(): Command {
         const m = e instanceof Error ? e.message : String(e);
         throw new BenchError(/EADDRINUSE|in use/i.test(m) ? `cannot listen on ${o.listen}: address in use` : `cannot start the holder: ${m}`);
       });
-      process.stdout.write(`holder ready: lock service on ${host}:${holder.server.port}; fetch with: tensorwire-bench fetch --holder ${o.advertise}:${holder.server.port}\n`);
+      const pub = o.discovery
+        ? await publishHolder(holder, { discovery: o.discovery, advertiseHost: o.advertise, blocks }).catch(async (e: unknown) => {
+            await holder.close();
+            throw new BenchError(`cannot publish in ${o.discovery}: ${e instanceof Error ? e.message : String(e)}`);
+          })
+        : undefined;
+      const how = o.discovery ? `--discovery ${o.discovery}` : `--holder ${o.advertise}:${holder.server.port}`;
+      process.stdout.write(`holder ready: lock service on ${host}:${holder.server.port}; fetch with: tensorwire-bench fetch ${how}\n`);
       await new Promise<void>((resolve) => {
         process.once('SIGINT', resolve);
         process.once('SIGTERM', resolve);
       });
       process.stdout.write(`holder counters: ${JSON.stringify(holder.counters())}\n`);
+      await pub?.close();
       await holder.close();
     });
   withGlobals(p.command('fetch').description('the requester half of `run` against a holder started with `tensorwire-bench holder`'))
-    .requiredOption('--holder <host:port>', 'the holder\'s lock service')
+    .option('--holder <host:port>', 'the holder\'s lock service')
+    .option('--discovery <url>', 'find the holder in etcd instead (etcd://HOST:PORT)')
     .option('--blocks <n>', 'blocks the holder has', '64')
     .option('--block-size <size>', 'bytes per block (as the holder)', '1MiB')
     .option('--duration <seconds>', 'how long to fetch', '10')
-    .action((o: GlobalOptions & { holder: string; blocks: string; blockSize: string; duration: string }) => {
-      hostPort(o.holder, '--holder');
+    .action((o: GlobalOptions & { holder?: string; discovery?: string; blocks: string; blockSize: string; duration: string }) => {
+      if ((o.holder === undefined) === (o.discovery === undefined)) throw new BenchError('fetch needs exactly one of --holder HOST:PORT or --discovery etcd://HOST:PORT');
+      if (o.holder !== undefined) hostPort(o.holder, '--holder');
       const blockBytes = parseBytes(o.blockSize, '--block-size');
       const blocks = positive(o.blocks, '--blocks', 64);
       const durationMs = positive(o.duration, '--duration', 10) * 1000;
@@ -195,10 +207,21 @@ export function program(): Command {
         'fetch',
         [
           async (ctx) => {
-            const r = await runFetcher({ lockAddress: o.holder, blocks, blockBytes, blocksPerFetch: Math.min(8, blocks), durationMs, lanes: 2, signal: ctx.signal }).catch((e: unknown) => {
-              throw new BenchError(`cannot fetch from ${o.holder}: ${e instanceof Error ? e.message : String(e)}`);
-            });
-            return { scenario: 'fetch', measurements: r.measurements, ratios: r.ratios, verificationFailures: r.verificationFailures, notes: r.notes };
+            const resolved = o.discovery
+              ? await resolveHolder({ discovery: o.discovery, signal: ctx.signal }).catch((e: unknown) => {
+                  throw new BenchError(`cannot find a holder in ${o.discovery}: ${e instanceof Error ? e.message : String(e)}`);
+                })
+              : undefined;
+            const lockAddress = resolved?.lockAddress ?? (o.holder as string);
+            try {
+              const r = await runFetcher({ lockAddress, blocks, blockBytes, blocksPerFetch: Math.min(8, blocks), durationMs, lanes: 2, signal: ctx.signal }).catch((e: unknown) => {
+                throw new BenchError(`cannot fetch from ${lockAddress}: ${e instanceof Error ? e.message : String(e)}`);
+              });
+              const notes = resolved ? [`holder ${resolved.record.nodeId} (incarnation ${resolved.record.incarnation}) found in ${o.discovery}`, ...r.notes] : r.notes;
+              return { scenario: 'fetch', measurements: r.measurements, ratios: r.ratios, verificationFailures: r.verificationFailures, notes };
+            } finally {
+              await resolved?.close();
+            }
           },
         ],
         o,
