@@ -24,7 +24,6 @@ import {
   RemoteRejectedError,
   TimedOutError,
   errorFromSignal,
-  idProblem,
   ownerProblem,
   silentLogger,
   type Logger,
@@ -32,6 +31,7 @@ import {
 } from '@tensorwire/core';
 import { Registry } from 'prom-client';
 import { fromGrpcError, isPermanentReleaseFailure } from './errors.js';
+import { blockIdProblem, occursBefore, PAIRWISE_MAX } from './ids.js';
 import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
@@ -142,9 +142,10 @@ export type GuardState = 'active' | 'expired' | 'lost' | 'releasing' | 'released
 
 export type { LockClientCounters } from './metrics.js';
 
+const TIME_ORIGIN = performance.timeOrigin;
 /** Unix-epoch milliseconds from a monotonic source. */
 function now(): number {
-  return performance.timeOrigin + performance.now();
+  return TIME_ORIGIN + performance.now();
 }
 
 const TOKEN_BYTES = 12;
@@ -212,6 +213,8 @@ interface LeaseRecord {
   renewTimer: NodeJS.Timeout | undefined;
   autoRenewEveryMs: number | undefined;
   releasing: Promise<ReleaseResult> | undefined;
+  /** Dropped by `dropLeases` (the holder's incarnation ended): never released by RPC. */
+  dropped?: boolean;
 }
 
 /**
@@ -356,6 +359,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   #acquired = 0;
   #released = 0;
   #releaseFailures = 0;
+  #dropped = 0;
   #releaseRetries = 0;
   #abandoned = 0;
   #leaked = 0;
@@ -382,13 +386,14 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     };
   }
 
-  /** Requester-side counters: `acquired = released + releaseFailures + active`. */
+  /** Requester-side counters: `acquired = released + releaseFailures + dropped + active`. */
   counters(): LockClientCounters {
     return {
       acquired: this.#acquired,
       released: this.#released,
       releaseFailures: this.#releaseFailures,
-      active: this.#acquired - this.#released - this.#releaseFailures,
+      dropped: this.#dropped,
+      active: this.#acquired - this.#released - this.#releaseFailures - this.#dropped,
       releaseRetries: this.#releaseRetries,
       abandonedAcquires: this.#abandoned,
       leakedGuards: this.#leaked,
@@ -415,7 +420,10 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     return t;
   }
 
-  /** One unary call: deadline, abort, typed errors. */
+  /**
+   * One unary call: deadline, abort, typed errors. The deadline is the grpc-js `deadline`
+   * call option, so the holder receives it (`grpc-timeout`) and can honour it.
+   */
   #call<Res>(
     holder: string,
     what: string,
@@ -436,10 +444,10 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       };
       const onAbort = (): void => cancel(errorFromSignal(signal as AbortSignal, what));
       const call = invoke(this.#channel(holder), this.#metadata.clone(), { deadline: Date.now() + timeoutMs }, (err, res) => {
-        signal?.removeEventListener('abort', onAbort);
-        if (cancelOnClose) this.#inflight.delete(cancel);
         if (settled) return;
         settled = true;
+        signal?.removeEventListener('abort', onAbort);
+        if (cancelOnClose) this.#inflight.delete(cancel);
         if (err || res === undefined) reject(fromGrpcError(err, what, { holder }));
         else resolve(res);
       });
@@ -459,12 +467,17 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     if (this.#isClosing) throw new ClosedError('lock client is closed');
     if (typeof holder !== 'string' || holder.length === 0) throw new InvalidInputError('holder address is empty', { details: { field: 'holder' } });
     if (!Array.isArray(blockIds) || blockIds.length === 0) throw new InvalidInputError('block list is empty', { details: { field: 'blockIds' } });
-    const seen = new Set<string>();
-    for (const id of blockIds) {
-      const problem = idProblem(id, 'block');
+    // Checked in order, each id for its form and then for repeating an earlier one.
+    const n = blockIds.length;
+    const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
+    for (let i = 0; i < n; i++) {
+      const id = blockIds[i] as string;
+      const problem = blockIdProblem(id);
       if (problem !== undefined) throw new InvalidInputError(`block id: ${problem}`, { details: { field: 'blockIds' } });
-      if (seen.has(id)) throw new InvalidInputError(`block id ${JSON.stringify(id)} appears twice`, { details: { field: 'blockIds' } });
-      seen.add(id);
+      if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) {
+        throw new InvalidInputError(`block id ${JSON.stringify(id)} appears twice`, { details: { field: 'blockIds' } });
+      }
+      seen?.add(id);
     }
     const leaseMs = options.leaseMs ?? 0;
     if (!Number.isFinite(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) {
@@ -474,6 +487,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     const signal = options.signal;
     if (signal?.aborted) throw errorFromSignal(signal, 'acquire');
 
+    // One frozen copy serves the request (the codec only reads it) and the guard.
+    const ids = Object.freeze([...blockIds]);
     const acquireId = randomToken();
     const sentAt = now();
     let res: AcquireResponseMsg;
@@ -481,7 +496,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       res = await this.#call<AcquireResponseMsg>(
         holder,
         'acquire',
-        (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: [...blockIds], leaseMs: Math.floor(leaseMs), acquireId }, md, o, cb),
+        (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId }, md, o, cb),
         timeoutMs,
         signal,
         true,
@@ -504,7 +519,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       holder,
       holderId: res.holderId,
       sessionId: res.sessionId,
-      blockIds: Object.freeze([...blockIds]),
+      blockIds: ids,
       lockTimeoutMs: res.lockTimeoutMs,
       descriptors,
       controller: undefined,
@@ -641,8 +656,36 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     r.autoRenewEveryMs = undefined;
   }
 
+  /**
+   * The holder at `holder` is gone for good: discovery saw it restart (a new incarnation) or
+   * disappear. Its leases died with it and the new incarnation never granted them, so every
+   * live guard there is dropped without a release call: it turns `lost`, its `signal` aborts
+   * with `reason`, `leaseLost` is emitted, and a later `release()` / dispose sends nothing.
+   * Returns how many guards were dropped.
+   */
+  dropLeases(holder: string, reason: TensorwireError): number {
+    let n = 0;
+    for (const r of [...this.#records]) {
+      if (r.holder !== holder || r.releasing || r.state === 'released') continue;
+      r.state = 'lost';
+      r.dropped = true;
+      this.#stopTimers(r);
+      this.#finalizer.unregister(r);
+      this.#endSignal(r, () => reason);
+      this.#records.delete(r);
+      this.#dropped++;
+      n++;
+      this.emit('leaseLost', { holder, sessionId: r.sessionId, error: reason });
+    }
+    return n;
+  }
+
   #release(r: LeaseRecord): Promise<ReleaseResult> {
     if (r.releasing) return r.releasing;
+    if (r.dropped) {
+      r.releasing = Promise.resolve({ confirmed: false, blocksReleased: 0, attempts: 0, error: r.endReason?.() as TensorwireError });
+      return r.releasing;
+    }
     r.state = 'releasing';
     this.#stopTimers(r);
     this.#finalizer.unregister(r);
@@ -650,16 +693,25 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     this.#endSignal(r, () => (closing ? new ClosedError('lock client closed') : new AbortedError(`lease ${r.sessionId} released`)));
     // Retry until the lease would have expired at the holder anyway (its deadline there is
     // never earlier than ours), and at least once.
-    const p = this.#releaseWithRetry(r.holder, { sessionId: r.sessionId }, r.deadline).then((result) => {
+    const p = this.#releaseLease(r);
+    r.releasing = p;
+    this.#pending.add(p);
+    return p;
+  }
+
+  /** The release of one lease, with its bookkeeping; leaves `#pending` when done. */
+  async #releaseLease(r: LeaseRecord): Promise<ReleaseResult> {
+    try {
+      const result = await this.#releaseWithRetry(r.holder, { sessionId: r.sessionId }, r.deadline);
       r.state = 'released';
       this.#records.delete(r);
       if (result.confirmed) this.#released++;
       else this.#releaseFailures++;
       return result;
-    });
-    r.releasing = p;
-    this.#track(p);
-    return p;
+    } finally {
+      // Runs after at least one await, so `#release` has stored the promise by now.
+      this.#pending.delete(r.releasing as Promise<ReleaseResult>);
+    }
   }
 
   #track(p: Promise<unknown>): void {

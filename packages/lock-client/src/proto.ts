@@ -1,10 +1,10 @@
 /**
- * The wire protocol: `proto/tensorwire/lock/v1/lock.proto`, loaded at run time with
- * `@grpc/proto-loader` relative to this module, so it works from `src/` and `dist/`.
+ * The wire protocol: `proto/tensorwire/lock/v1/lock.proto` (shipped with the package, for
+ * requesters and holders in other languages), serialized with protobufjs through `codec.ts`.
  */
 import { fileURLToPath } from 'node:url';
 import * as grpc from '@grpc/grpc-js';
-import * as protoLoader from '@grpc/proto-loader';
+import { createLockCodec, type MessageCodec } from './codec.js';
 
 /** Absolute path of the `.proto` file shipped with the package. */
 export const LOCK_PROTO_PATH: string = fileURLToPath(new URL('../proto/tensorwire/lock/v1/lock.proto', import.meta.url));
@@ -75,26 +75,39 @@ export interface LockServiceClientConstructor {
   service: grpc.ServiceDefinition;
 }
 
-const LOADER_OPTIONS: protoLoader.Options = {
-  keepCase: false,
-  longs: Number,
-  enums: String,
-  bytes: Buffer,
-  defaults: true,
-  arrays: true,
-  oneofs: false,
-};
+/** One unary method of the service, with the protobufjs codecs of `codec.ts`. */
+function method<Req, Res>(name: string, req: MessageCodec<Req>, res: MessageCodec<Res>): grpc.MethodDefinition<Req, Res> {
+  return {
+    path: `/${LOCK_SERVICE_NAME}/${name}`,
+    requestStream: false,
+    responseStream: false,
+    requestSerialize: req.encode,
+    requestDeserialize: req.decode,
+    responseSerialize: res.encode,
+    responseDeserialize: res.decode,
+    originalName: name.charAt(0).toLowerCase() + name.slice(1),
+  };
+}
 
 let cached: { service: grpc.ServiceDefinition; Client: LockServiceClientConstructor } | undefined;
 
-/** Load the protocol once per process: the service definition and the client constructor. */
+/**
+ * The protocol, built once per process: the service definition and the client
+ * constructor. The `.proto` file is loaded once with protobufjs; messages go through its
+ * generated encoders and decoders (see `codec.ts`) and have the same shapes
+ * `@grpc/proto-loader` would give them (`longs: Number, enums: String, bytes: Buffer,
+ * defaults, arrays`), without its generic object conversion on every call.
+ */
 export function loadLockProtocol(): { service: grpc.ServiceDefinition; Client: LockServiceClientConstructor } {
   if (cached) return cached;
-  const def = protoLoader.loadSync(LOCK_PROTO_PATH, LOADER_OPTIONS);
-  const pkg = grpc.loadPackageDefinition(def) as unknown as {
-    tensorwire: { lock: { v1: { LockService: LockServiceClientConstructor } } };
+  const c = createLockCodec(LOCK_PROTO_PATH);
+  const service: grpc.ServiceDefinition = {
+    Acquire: method('Acquire', c.AcquireRequest, c.AcquireResponse),
+    Release: method('Release', c.ReleaseRequest, c.ReleaseResponse),
+    Renew: method('Renew', c.RenewRequest, c.RenewResponse),
+    Health: method('Health', c.HealthRequest, c.HealthResponse),
   };
-  const Client = pkg.tensorwire.lock.v1.LockService;
+  const Client = grpc.makeGenericClientConstructor(service, 'LockService') as unknown as LockServiceClientConstructor;
   cached = { service: Client.service, Client };
   return cached;
 }

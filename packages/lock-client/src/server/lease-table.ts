@@ -16,8 +16,9 @@
  *   never usable past its deadline even if the GC timer runs late.
  */
 import { randomBytes } from 'node:crypto';
-import { formatId, idProblem, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
+import { formatId, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
 import { LeaseError, type LeaseStatus } from '../errors.js';
+import { blockIdProblem, occursBefore, PAIRWISE_MAX, sessionIdProblem } from '../ids.js';
 import { DeadlineHeap, type HeapEntry } from './heap.js';
 
 /** Milliseconds on some monotonic-enough timeline; the table only compares and adds. */
@@ -25,9 +26,10 @@ export interface Clock {
   now(): number;
 }
 
+const TIME_ORIGIN = performance.timeOrigin;
 /** Unix-epoch milliseconds from a monotonic source (does not jump when the wall clock is set). */
 export const systemClock: Clock = {
-  now: () => performance.timeOrigin + performance.now(),
+  now: () => TIME_ORIGIN + performance.now(),
 };
 
 /** A live lease as the hooks and callers see it. */
@@ -260,12 +262,15 @@ export class LeaseTable {
     if (blockIds.length > this.maxBlocksPerSession) {
       this.#reject('acquire', 'RESOURCE_EXHAUSTED', `${blockIds.length} blocks requested; at most ${this.maxBlocksPerSession} per session`);
     }
-    const seen = new Set<string>();
-    for (const id of blockIds) {
-      const problem = idProblem(id, 'block');
+    // Checked in order, each id for its form and then for repeating an earlier one.
+    const n = blockIds.length;
+    const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
+    for (let i = 0; i < n; i++) {
+      const id = blockIds[i] as string;
+      const problem = blockIdProblem(id);
       if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', `block id: ${problem}`);
-      if (seen.has(id)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${JSON.stringify(id)} appears twice`);
-      seen.add(id);
+      if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${JSON.stringify(id)} appears twice`);
+      seen?.add(id);
     }
     const leaseMs = this.#leaseMs('acquire', params.leaseMs);
     const acquireId = params.acquireId === undefined || params.acquireId === '' ? undefined : params.acquireId;
@@ -283,7 +288,9 @@ export class LeaseTable {
       this.#reject('acquire', 'RESOURCE_EXHAUSTED', `holder has ${this.#activeBlocks} blocks under lease; limit ${this.maxActiveBlocks}`);
     }
     let sessionId: string;
-    do sessionId = formatId('session', this.holderId, (this.#opts.newSecret ?? defaultSecret)());
+    const newSecret = this.#opts.newSecret;
+    // The default secret is always a valid local part: no need to check it again.
+    do sessionId = newSecret === undefined ? `session:${this.holderId}:${defaultSecret()}` : formatId('session', this.holderId, newSecret());
     while (this.#sessions.has(sessionId));
     const lease: Lease = {
       sessionId,
@@ -342,7 +349,7 @@ export class LeaseTable {
     if ((sessionId === '') === (acquireId === '')) this.#reject('release', 'INVALID_ARGUMENT', 'give exactly one of session id and acquire id');
     let lease: Lease | undefined;
     if (sessionId !== '') {
-      const problem = idProblem(sessionId, 'session');
+      const problem = sessionIdProblem(sessionId);
       if (problem !== undefined) this.#reject('release', 'INVALID_ARGUMENT', `session id: ${problem}`);
       lease = this.#sessions.get(sessionId);
     } else {
@@ -374,7 +381,7 @@ export class LeaseTable {
     const now = this.clock.now();
     this.expireDue(now);
     this.#checkRequester('renew', requesterId);
-    const problem = idProblem(sessionId, 'session');
+    const problem = sessionIdProblem(sessionId);
     if (problem !== undefined) this.#reject('renew', 'INVALID_ARGUMENT', `session id: ${problem}`);
     const ms = this.#leaseMs('renew', leaseMs);
     const lease = this.#sessions.get(sessionId);
@@ -462,6 +469,7 @@ export class LeaseTable {
   }
 
   #pruneTombstones(now: number): void {
+    if (this.#tombstones.size === 0) return;
     // Insertion order is expiry order (constant TTL), so this stops at the first live one.
     for (const [key, expiresAt] of this.#tombstones) {
       if (expiresAt > now) return;

@@ -1,0 +1,245 @@
+/**
+ * Serialization of the messages of `lock.proto` with protobufjs, for the gRPC service
+ * definition in `proto.ts`.
+ *
+ * The JavaScript shapes are the ones `@grpc/proto-loader` yields with the options the
+ * package has always used (`keepCase: false, longs: Number, enums: String, bytes: Buffer,
+ * defaults: true, arrays: true`): camelCase names, every field present with its default,
+ * uint64 as Number, enums as their names, bytes as Buffer. What differs is the route:
+ *
+ * - encoding hands the plain object straight to the generated `Type.encode` (no
+ *   `fromObject`/`verify` per call). Objects come from this package, already in that
+ *   shape; the few inputs that can come from users (a resolver's descriptors, an enum
+ *   name) are checked here or by the caller (client.ts validates ids and numbers);
+ * - decoding reads the fields of the decoded message into a plain object, converting
+ *   only uint64 (`Long` → Number), the enum (number → name) and empty repeated fields
+ *   (the shared frozen default → a fresh array), instead of `toObject` with defaults.
+ *
+ * A malformed message (truncated, bad length, bad wire type) throws, which grpc-js
+ * answers as INTERNAL; see {@link StrictReader} for the one check added to protobufjs's.
+ * Unknown fields are skipped.
+ */
+import protobuf from 'protobufjs';
+import type {
+  AcquireRequestMsg,
+  AcquireResponseMsg,
+  BlockGrantMsg,
+  HealthRequestMsg,
+  HealthResponseMsg,
+  ReleaseRequestMsg,
+  ReleaseResponseMsg,
+  RenewRequestMsg,
+  RenewResponseMsg,
+} from './proto.js';
+
+const PACKAGE = 'tensorwire.lock.v1';
+
+/** A uint64 as protobufjs decodes it: a `Long` (or a Number without the long package). */
+type U64 = number | { readonly low: number; readonly high: number };
+
+/** uint64 → Number, as proto-loader's `longs: Number` (exact below 2^53). */
+function u64(v: U64): number {
+  return typeof v === 'number' ? v : (v.high >>> 0) * 0x1_0000_0000 + (v.low >>> 0);
+}
+
+// What protobufjs's own reader uses when Node has it: Buffer's utf8Slice, without toString's argument checks.
+type Utf8SliceBuffer = Buffer & { utf8Slice(start: number, end: number): string };
+const HAS_UTF8_SLICE = typeof (Buffer.prototype as Partial<Utf8SliceBuffer>).utf8Slice === 'function';
+
+/**
+ * protobufjs's Node reader, except that a string field whose length runs past the end of
+ * the message throws (RangeError) like every other field, instead of being cut short.
+ */
+class StrictReader extends protobuf.BufferReader {
+  override string(): string {
+    const len = this.uint32();
+    const start = this.pos;
+    const end = start + len;
+    if (end > this.len) throw new RangeError(`index out of range: ${start} + ${len} > ${this.len}`);
+    this.pos = end;
+    const buf = this.buf as Utf8SliceBuffer;
+    return HAS_UTF8_SLICE ? buf.utf8Slice(start, end) : buf.toString('utf8', start, end);
+  }
+}
+
+/** A repeated field: decoded arrays as they are, the shared frozen default as a fresh one. */
+function list<T>(v: T[]): T[] {
+  return v.length === 0 ? [] : v;
+}
+
+// What `Type.decode` returns, field by field (defaults come from the prototype).
+interface RawAcquireRequest {
+  requesterId: string;
+  blockIds: string[];
+  leaseMs: number;
+  acquireId: string;
+}
+interface RawBlockGrant {
+  blockId: string;
+  descriptors: Buffer[];
+}
+interface RawAcquireResponse {
+  sessionId: string;
+  deadlineUnixMs: U64;
+  leaseMs: number;
+  lockTimeoutMs: number;
+  blocks: RawBlockGrant[];
+  holderId: string;
+}
+interface RawRenewResponse {
+  deadlineUnixMs: U64;
+  leaseMs: number;
+}
+interface RawHealthResponse {
+  status: number;
+  holderId: string;
+  lockTimeoutMs: number;
+  activeSessions: U64;
+  activeBlocks: U64;
+}
+
+export interface MessageCodec<T> {
+  encode(m: T): Buffer;
+  decode(b: Buffer): T;
+}
+
+export interface LockCodec {
+  AcquireRequest: MessageCodec<AcquireRequestMsg>;
+  AcquireResponse: MessageCodec<AcquireResponseMsg>;
+  ReleaseRequest: MessageCodec<ReleaseRequestMsg>;
+  ReleaseResponse: MessageCodec<ReleaseResponseMsg>;
+  RenewRequest: MessageCodec<RenewRequestMsg>;
+  RenewResponse: MessageCodec<RenewResponseMsg>;
+  HealthRequest: MessageCodec<HealthRequestMsg>;
+  HealthResponse: MessageCodec<HealthResponseMsg>;
+}
+
+/** Descriptors must be bytes (protobufjs would write anything else as an empty field). */
+function checkDescriptors(blocks: readonly BlockGrantMsg[]): void {
+  if (!Array.isArray(blocks)) throw new TypeError('blocks: array expected');
+  for (const g of blocks) {
+    if (g === null || typeof g !== 'object') throw new TypeError('blocks: object expected');
+    const ds = g.descriptors as unknown;
+    if (ds == null) continue;
+    if (!Array.isArray(ds)) throw new TypeError('blocks.descriptors: array expected');
+    for (const d of ds as unknown[]) {
+      if (!(d instanceof Uint8Array) && typeof d !== 'string') throw new TypeError('blocks.descriptors: Uint8Array or base64 string expected');
+    }
+  }
+}
+
+/**
+ * Load `lock.proto` (once; the caller caches the result) and build the codecs of its
+ * messages on protobufjs's generated encoders and decoders.
+ */
+export function createLockCodec(protoPath: string): LockCodec {
+  const root = protobuf.loadSync(protoPath);
+  root.resolveAll();
+  const type = (name: string): protobuf.Type => {
+    const t = root.lookupType(`${PACKAGE}.${name}`);
+    t.setup(); // generate the encoder and decoder now rather than on the first call
+    return t;
+  };
+  const tAcquireReq = type('AcquireRequest');
+  const tAcquireRes = type('AcquireResponse');
+  const tReleaseReq = type('ReleaseRequest');
+  const tReleaseRes = type('ReleaseResponse');
+  const tRenewReq = type('RenewRequest');
+  const tRenewRes = type('RenewResponse');
+  const tHealthReq = type('HealthRequest');
+  const tHealthRes = type('HealthResponse');
+  const statusEnum = root.lookupEnum(`${PACKAGE}.HealthResponse.Status`);
+  const statusNumber = new Map<string, number>(Object.entries(statusEnum.values));
+  const statusName: (string | undefined)[] = [];
+  for (const [n, name] of Object.entries(statusEnum.valuesById)) statusName[Number(n)] = name;
+
+  // Plain objects in the right shape go straight to the generated encoder.
+  const enc = (t: protobuf.Type, m: object): Buffer => t.encode(m).finish() as Buffer;
+  const dec = <R>(t: protobuf.Type, b: Buffer): R => t.decode(new StrictReader(b)) as unknown as R;
+
+  return {
+    AcquireRequest: {
+      encode: (m) => {
+        if (m.blockIds != null && !Array.isArray(m.blockIds)) throw new TypeError('blockIds: array expected');
+        return enc(tAcquireReq, m);
+      },
+      decode: (b) => {
+        const r = dec<RawAcquireRequest>(tAcquireReq, b);
+        return { requesterId: r.requesterId, blockIds: list(r.blockIds), leaseMs: r.leaseMs, acquireId: r.acquireId };
+      },
+    },
+    AcquireResponse: {
+      encode: (m) => {
+        if (m.blocks != null) checkDescriptors(m.blocks);
+        return enc(tAcquireRes, m);
+      },
+      decode: (b) => {
+        const r = dec<RawAcquireResponse>(tAcquireRes, b);
+        const blocks: BlockGrantMsg[] = [];
+        for (const g of r.blocks) blocks.push({ blockId: g.blockId, descriptors: list(g.descriptors) });
+        return {
+          sessionId: r.sessionId,
+          deadlineUnixMs: u64(r.deadlineUnixMs),
+          leaseMs: r.leaseMs,
+          lockTimeoutMs: r.lockTimeoutMs,
+          blocks,
+          holderId: r.holderId,
+        };
+      },
+    },
+    ReleaseRequest: {
+      encode: (m) => enc(tReleaseReq, m),
+      decode: (b) => {
+        const r = dec<ReleaseRequestMsg>(tReleaseReq, b);
+        return { requesterId: r.requesterId, sessionId: r.sessionId, acquireId: r.acquireId };
+      },
+    },
+    ReleaseResponse: {
+      encode: (m) => enc(tReleaseRes, m),
+      decode: (b) => ({ released: dec<ReleaseResponseMsg>(tReleaseRes, b).released }),
+    },
+    RenewRequest: {
+      encode: (m) => enc(tRenewReq, m),
+      decode: (b) => {
+        const r = dec<RenewRequestMsg>(tRenewReq, b);
+        return { requesterId: r.requesterId, sessionId: r.sessionId, leaseMs: r.leaseMs };
+      },
+    },
+    RenewResponse: {
+      encode: (m) => enc(tRenewRes, m),
+      decode: (b) => {
+        const r = dec<RawRenewResponse>(tRenewRes, b);
+        return { deadlineUnixMs: u64(r.deadlineUnixMs), leaseMs: r.leaseMs };
+      },
+    },
+    HealthRequest: {
+      encode: (m) => enc(tHealthReq, m),
+      decode: (b) => {
+        dec(tHealthReq, b); // still refuse a malformed message
+        return {};
+      },
+    },
+    HealthResponse: {
+      encode: (m) => {
+        const raw = m.status as unknown;
+        let status: number | undefined;
+        if (raw == null) status = 0;
+        else if (typeof raw === 'number') status = raw;
+        else status = statusNumber.get(String(raw));
+        if (status === undefined) throw new TypeError(`status: unknown enum value ${String(raw)}`);
+        return enc(tHealthRes, { ...m, status });
+      },
+      decode: (b) => {
+        const r = dec<RawHealthResponse>(tHealthRes, b);
+        return {
+          // A value this schema does not name stays a number, as with proto-loader.
+          status: (statusName[r.status] ?? r.status) as HealthResponseMsg['status'],
+          holderId: r.holderId,
+          lockTimeoutMs: r.lockTimeoutMs,
+          activeSessions: u64(r.activeSessions),
+          activeBlocks: u64(r.activeBlocks),
+        };
+      },
+    },
+  };
+}
