@@ -57,7 +57,7 @@ export async function iperf3(blockBytes: number, bytes: number): Promise<Externa
   if (!installed('iperf3')) return { measurements: [], notes: ['iperf3 is not installed (Debian: iperf3); no iperf3 figure'] };
   const port = await freePort();
   return withServer('iperf3', ['-s', '-1', '-p', String(port), '-B', '127.0.0.1'], {}, async () => {
-    const len = Math.min(blockBytes, 128 * 1024 * 1024);
+    const len = Math.min(blockBytes, 1024 * 1024); // iperf3's largest write
     const r = await run('iperf3', ['-c', '127.0.0.1', '-p', String(port), '-n', String(bytes), '-l', String(len), '-J'], {}, 60_000);
     try {
       const j = JSON.parse(r.stdout) as { end?: { sum_received?: { bits_per_second?: number } }; error?: string };

@@ -259,6 +259,16 @@ export class FrameParser {
     }
   }
 
+  /**
+   * The caller's target, from where the next byte goes, when at least `min` bytes of it are
+   * still to come: large payloads are received straight into it; small frames are better read
+   * many at a time into a staging buffer and copied (`push`).
+   */
+  directTarget(min: number): Uint8Array | undefined {
+    if (this.#state !== State.Data || !this.#target) return undefined;
+    return this.#dataLength - this.#have >= min ? this.#target.subarray(this.#have) : undefined;
+  }
+
   /** Stop discarding into the caller's target: the rest of the current frame goes to scratch. */
   detachTarget(): void {
     if (this.#state === State.Data) this.#target = undefined;

@@ -84,6 +84,10 @@ export interface TcpTransportOptions {
 
 const ENDPOINT_MAGIC = [0x54, 0x57, 0x54, 0x01]; // TWT v1
 const REVOKED_MEMORY = 4096;
+/** Payloads with at least this much left are received straight into their destination. */
+const DIRECT_MIN_BYTES = 64 * 1024;
+/** Staging buffer for small frames on outbound sockets. */
+const STAGING_BYTES = 64 * 1024;
 /** How long a cancelled read may wait for the one read libuv can still do into its buffer. */
 const CANCEL_GRACE_MS = 200;
 
@@ -179,11 +183,16 @@ class TcpStream implements FrameSink {
   readonly closed: Promise<void>;
   /** Set by the owning connection once the handshake is complete. */
   established = false;
+  /** onread sockets: where small frames land (many per read); large payloads go direct. */
+  readonly #staging: Buffer | undefined;
+  /** The caller's memory libuv holds for the next read, when it holds any. */
+  #handedDirect: Uint8Array | undefined;
   /** For handshakes: the next control frame goes here. */
   onHandshakeFrame: ((type: FrameType, body: Uint8Array) => void) | undefined;
 
-  constructor(socket: net.Socket, parser: FrameParser | undefined, owner: TcpConnection, transport: TcpTransport) {
+  constructor(socket: net.Socket, parser: FrameParser | undefined, owner: TcpConnection, transport: TcpTransport, staging?: Buffer) {
     this.socket = socket;
+    this.#staging = staging;
     this.#owner = owner;
     this.#transport = transport;
     this.parser = parser ?? new FrameParser(this, transport.maxChunkBytes);
@@ -214,14 +223,31 @@ class TcpStream implements FrameSink {
     }
   }
 
-  commit(n: number): void {
+  /** onread: the buffer for the next read — the destination itself for a large payload, else staging. */
+  nextReadBuffer(): Uint8Array {
+    const direct = this.parser.directTarget(DIRECT_MIN_BYTES);
+    this.#handedDirect = direct;
+    return direct ?? (this.#staging as Buffer);
+  }
+
+  /** onread: `n` bytes arrived in the buffer `nextReadBuffer()` handed out. */
+  onRead(n: number): void {
     this.#owner.progress();
+    const direct = this.#handedDirect;
+    this.#handedDirect = undefined;
     try {
-      this.parser.commit(n);
+      if (direct) this.parser.commit(n);
+      else this.parser.push((this.#staging as Buffer).subarray(0, n));
     } catch (e) {
       this.#protocolError(e);
     }
     this.afterRead();
+  }
+
+  /** True when libuv holds (part of) `dest` as the buffer of its next read. */
+  #holds(dest: Uint8Array | undefined): boolean {
+    const h = this.#handedDirect;
+    return h !== undefined && dest !== undefined && h.buffer === dest.buffer && h.byteOffset >= dest.byteOffset && h.byteOffset < dest.byteOffset + dest.byteLength;
   }
 
   #protocolError(e: unknown): void {
@@ -365,13 +391,23 @@ class TcpStream implements FrameSink {
       done?.();
       return;
     }
-    s.cork();
+    // Everything sent in one tick leaves in one writev: many small requests or replies cost
+    // one syscall, not one each.
+    if (!this.#corked) {
+      this.#corked = true;
+      s.cork();
+      process.nextTick(() => {
+        this.#corked = false;
+        s.uncork();
+      });
+    }
     for (let i = 0; i < parts.length; i++) {
       const last = i === parts.length - 1;
       s.write(parts[i] as Uint8Array, last && done ? () => done() : undefined);
     }
-    s.uncork();
   }
+
+  #corked = false;
 
   // --- requesting ----------------------------------------------------------------------
 
@@ -472,11 +508,13 @@ class TcpStream implements FrameSink {
     const receiving = this.parser.receivingInto;
     const inFlight = receiving === undefined ? undefined : live.find((p) => p.kind === 'read' && p.dest === receiving);
     if (inFlight) this.parser.detachTarget(); // the rest of this frame is counted, not stored
+    const held = inFlight !== undefined && this.#holds(inFlight.dest) ? inFlight : undefined;
     for (const p of live) {
-      if (p === inFlight && this.#transport.usesUserBuffers(this)) continue;
+      if (p === held) continue;
       this.#settleCancelled(p, error);
     }
-    if (inFlight && this.#transport.usesUserBuffers(this)) {
+    if (held) {
+      const inFlight = held;
       // With onread, libuv was already handed this destination for its next read: one more
       // read may land there. Settle after that read, or, if the peer sends nothing more
       // within the grace period, destroy the socket to take the buffer back.
@@ -709,7 +747,6 @@ export class TcpTransport implements Transport {
   readonly #revokedKeys = new Set<string>();
   readonly #connections = new Set<TcpConnection>();
   readonly #pendingInbound = new Map<string, { conn: TcpConnection; arrived: number; timer: NodeJS.Timeout }>();
-  readonly #userBufferStreams = new WeakSet<TcpStream>();
   readonly #sockets = new Set<net.Socket>();
   #server: net.Server | undefined;
   #host: TransportHost | undefined;
@@ -870,11 +907,6 @@ export class TcpTransport implements Transport {
   }
 
   /** @internal */
-  usesUserBuffers(stream: TcpStream): boolean {
-    return this.#userBufferStreams.has(stream);
-  }
-
-  /** @internal */
   forget(conn: TcpConnection): void {
     this.#connections.delete(conn);
   }
@@ -944,6 +976,7 @@ export class TcpTransport implements Transport {
       const ref: { stream?: TcpStream } = {};
       // The parser exists before the socket: Node asks for the first receive buffer inside net.connect().
       const parser = new FrameParser(undefined, this.maxChunkBytes);
+      const staging = Buffer.allocUnsafe(STAGING_BYTES);
       const socket = net.connect({
         host,
         port,
@@ -952,17 +985,16 @@ export class TcpTransport implements Transport {
         keepAliveInitialDelay: 10_000,
         onread: {
           // Receive straight into whatever the parser needs next (for READ_DATA: the destination).
-          buffer: () => parser.nextBuffer(),
+          buffer: () => ref.stream?.nextReadBuffer() ?? staging,
           callback: (n: number) => {
-            ref.stream?.commit(n);
+            ref.stream?.onRead(n);
             return true;
           },
         },
       });
       this.#track(socket);
-      const stream = new TcpStream(socket, parser, conn, this);
+      const stream = new TcpStream(socket, parser, conn, this, staging);
       ref.stream = stream;
-      this.#userBufferStreams.add(stream);
       opened.push(stream);
       const onError = (e: Error): void => reject(new ConnectionBrokenError(`cannot connect to ${host}:${port}: ${(e as NodeJS.ErrnoException).code ?? e.message}`, { cause: e }));
       // A socket destroyed while still connecting (abort, deadline) emits no 'error': settle on 'close' too.
