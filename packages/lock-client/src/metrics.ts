@@ -1,5 +1,6 @@
 /** prom-client metrics for a requester, read from the client's counters at scrape time. */
-import { Counter, Gauge, type Registry } from 'prom-client';
+import type { Registry } from 'prom-client';
+import { pullMetrics } from './prom.js';
 
 export const DEFAULT_CLIENT_METRICS_PREFIX = 'tensorwire_lock_client_';
 
@@ -24,30 +25,9 @@ export interface LockClientCounters {
 }
 
 export function registerClientMetrics(registry: Registry, prefix: string, read: () => LockClientCounters): () => void {
-  const names: string[] = [];
-  const counter = (name: string, help: string, pick: (c: LockClientCounters) => number): void => {
-    names.push(prefix + name);
-    let last = 0;
-    new Counter({
-      name: prefix + name,
-      help,
-      registers: [registry],
-      collect() {
-        const v = pick(read());
-        if (v > last) this.inc(v - last);
-        last = v;
-      },
-    });
-  };
-  names.push(prefix + 'guards_active');
-  new Gauge({
-    name: prefix + 'guards_active',
-    help: 'Lock guards not yet released',
-    registers: [registry],
-    collect() {
-      this.set(read().active);
-    },
-  });
+  const m = pullMetrics(registry, prefix, read);
+  const counter = m.counter;
+  m.gauge('guards_active', 'Lock guards not yet released', (c) => c.active);
   counter('acquired_total', 'Lock guards acquired', (c) => c.acquired);
   counter('released_total', 'Lock guards released (confirmed by the holder)', (c) => c.released);
   counter('release_failures_total', 'Releases given up after retrying until the lease would have expired', (c) => c.releaseFailures);
@@ -55,7 +35,5 @@ export function registerClientMetrics(registry: Registry, prefix: string, read: 
   counter('release_retries_total', 'Release attempts repeated after a failure', (c) => c.releaseRetries);
   counter('acquires_abandoned_total', 'In-flight acquires given up and released by acquire id', (c) => c.abandonedAcquires);
   counter('guards_leaked_total', 'Guards garbage-collected without release (released by the finalizer)', (c) => c.leakedGuards);
-  return () => {
-    for (const n of names) registry.removeSingleMetric(n);
-  };
+  return () => m.unregister();
 }

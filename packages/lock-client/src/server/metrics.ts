@@ -3,7 +3,8 @@
  * scrape sees one consistent snapshot and `acquired = released + expired + active` holds
  * in every scrape.
  */
-import { Counter, Gauge, type Registry } from 'prom-client';
+import { Counter, type Registry } from 'prom-client';
+import { pullMetrics } from '../prom.js';
 import type { LeaseCounters } from './lease-table.js';
 
 export const DEFAULT_SERVER_METRICS_PREFIX = 'tensorwire_lock_';
@@ -16,32 +17,10 @@ export interface ServerMetricSources {
 
 /** Register the holder's metrics on `registry`. Returns a function that unregisters them. */
 export function registerServerMetrics(registry: Registry, prefix: string, src: ServerMetricSources): () => void {
-  const names: string[] = [];
-  const gauge = (name: string, help: string, read: (c: LeaseCounters) => number): void => {
-    names.push(prefix + name);
-    new Gauge({
-      name: prefix + name,
-      help,
-      registers: [registry],
-      collect() {
-        this.set(read(src.counters()));
-      },
-    });
-  };
-  const counter = (name: string, help: string, read: (c: LeaseCounters) => number): void => {
-    names.push(prefix + name);
-    let last = 0;
-    new Counter({
-      name: prefix + name,
-      help,
-      registers: [registry],
-      collect() {
-        const v = read(src.counters());
-        if (v > last) this.inc(v - last);
-        last = v;
-      },
-    });
-  };
+  const m = pullMetrics(registry, prefix, () => src.counters());
+  const { names } = m;
+  const gauge = m.gauge;
+  const counter = m.counter;
   const labelled = (name: string, help: string, labels: string[], read: () => ReadonlyMap<string, number>): void => {
     names.push(prefix + name);
     const last = new Map<string, number>();
