@@ -605,16 +605,10 @@ export class TransferEngine {
     try {
       let pc = await this.#connection(ep, transport, signal);
       if (!pc.conn?.isOpen) pc = await this.#connection(ep, transport, signal); // retired between handshake and use
-      await this.#run(op, pc, prepared, signal, deadline);
+      const chunks = await this.#run(op, pc, prepared, signal, deadline);
       this.metrics?.bytes.inc({ transport: transport.name, direction: op }, totalBytes);
       this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: 'ok' }, requests.length);
-      const chunkCap = Math.min(this.chunkBytes, transport.capabilities.maxChunkBytes);
-      return {
-        transport: transport.name,
-        bytes: totalBytes,
-        chunks: prepared.reduce((s, p) => s + Math.ceil(p.length / chunkCap), 0),
-        requests: requests.length,
-      };
+      return { transport: transport.name, bytes: totalBytes, chunks, requests: requests.length };
     } catch (e) {
       const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${ep.identity.nodeId}`) : toTensorwireError(e);
       this.metrics?.errors.inc({ transport: transport.name, code: err.code });
@@ -666,7 +660,8 @@ export class TransferEngine {
     return { localHandle, localOffset, remote: decodedRemote, remoteOffset, length };
   }
 
-  async #run(op: 'read' | 'write', pc: PeerConnection, prepared: readonly PreparedRequest[], signal: AbortSignal, deadline: number): Promise<void> {
+  /** Split, spread over the streams, run; resolves to the number of chunks. */
+  async #run(op: 'read' | 'write', pc: PeerConnection, prepared: readonly PreparedRequest[], signal: AbortSignal, deadline: number): Promise<number> {
     const conn = pc.conn;
     if (!conn) throw new ConnectionBrokenError('connection vanished');
     const cap = Math.min(this.chunkBytes, pc.transport.capabilities.maxChunkBytes, conn.maxChunkBytes ?? Number.POSITIVE_INFINITY);
@@ -701,6 +696,7 @@ export class TransferEngine {
         if (broken) this.#invalidateEntry(pc, conn, broken);
         throw broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? failures[0];
       }
+      return perStream.reduce((n, s) => n + s.length, 0);
     } finally {
       pc.inFlight--;
     }
