@@ -788,6 +788,9 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   async #close(): Promise<void> {
     this.#isClosing = true;
     for (const cancel of [...this.#inflight]) cancel(new ClosedError('lock client closed'));
+    // Let the cancelled acquires' handlers run: each registers the release of a grant that may
+    // have happened, and close must wait for those too.
+    await new Promise<void>((resolve) => setImmediate(resolve));
     for (const r of this.#records) void this.#release(r);
     const limit = this.#opts.closeTimeoutMs ?? 5000;
     let timer: NodeJS.Timeout | undefined;

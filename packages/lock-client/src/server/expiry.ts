@@ -80,7 +80,8 @@ export class ExpiryScheduler {
   #arm(target: number): void {
     this.#disarm();
     this.#armedFor = target;
-    const delay = Math.max(0, Math.ceil(target - this.#table.clock.now()));
+    // setTimeout holds at most 2^31-1 ms; a later deadline re-arms when this fires early.
+    const delay = Math.min(0x7fffffff, Math.max(0, Math.ceil(target - this.#table.clock.now())));
     this.#handle = this.#timers.setTimeout(() => this.#fire(), delay);
   }
 
