@@ -25,7 +25,7 @@ import { DTYPES, assertDtype, dtypeFromCode, shapeBytes, typedView, type Dtype, 
 import { native, SegmentKind, SegmentState, type SegmentMeta } from './native.js';
 import { poolSegmentName } from './names.js';
 import { isProcessAlive, selfStartTime } from './proc.js';
-import { DATA_OFFSET, HEADER_SIZE, MAX_SEGMENT_BYTES, hookExit, rememberRegion, sweep, type SweepReport } from './shared.js';
+import { DATA_OFFSET, HEADER_SIZE, MAX_SEGMENT_BYTES, hookExit, rememberRegion, segmentOlderThan, sweep, type SweepReport } from './shared.js';
 
 export type Device = 'cpu' | `cuda:${number}`;
 
@@ -85,7 +85,7 @@ const DEFAULT_MAX_SLOT = 16 * 2 ** 30;
 const VM_STATE = 0;
 const VM_DEVICE = 1;
 const VM_BYTE_LENGTH = 2;
-const VM_CAPACITY = 3;
+// index 3: capacity (unused here)
 const VM_DTYPE = 4;
 const VM_NDIM = 5;
 const VM_SHAPE = 6;
@@ -103,14 +103,29 @@ interface OwnedSlot {
   readonly devicePointer: bigint | undefined;
 }
 
-/** A mapping of another owner's slot held by this process (plus its CUDA import). */
+/**
+ * A mapping of another owner's slot held by this process (plus its CUDA import).
+ *
+ * Lifecycle of the import (invariant 9): the header's importer count is taken before
+ * cuIpcOpenMemHandle and given back only after cuIpcCloseMemHandle, and that happens only
+ * once the entry is `dropped` (this process's free(), close(), or the slot found freed),
+ * no view of it is live (`views`), and no import is in flight (`importing`). An entry
+ * dropped while views are live waits in `#retired` until the last view is disposed.
+ */
 interface ForeignMapping {
   readonly id: string;
   readonly mapping: ArrayBuffer;
   views: number;
   imported: { device: number; base: bigint } | undefined;
   importing: Promise<bigint> | undefined;
+  dropped: boolean;
+  /** Settles once this process has closed its import (if any) and given back its importer count. */
+  released: Promise<void> | undefined;
+  resolveReleased: (() => void) | undefined;
 }
+
+/** How long an existing segment may stay undecodable (its creator still initialising it) before it counts as stale. */
+const STALE_INIT_GRACE_MS = 5_000;
 
 function parseDevice(device: unknown): number {
   if (device === undefined || device === 'cpu') return -1;
@@ -222,6 +237,8 @@ export class TensorPool implements AsyncDisposable {
   readonly #ids: IdAllocator;
   readonly #owned = new IdRegistry<OwnedSlot, 'pool'>('pool');
   readonly #foreign = new IdRegistry<ForeignMapping, 'pool'>('pool');
+  /** Dropped foreign entries whose import waits for live views, keyed by the whole pool id. */
+  readonly #retired = new Map<string, ForeignMapping>();
   readonly #pendingFrees = new Set<Promise<void>>();
   readonly #freed = new Set<string>();
   readonly #deferredFreeTimeoutMs: number;
@@ -304,7 +321,7 @@ export class TensorPool implements AsyncDisposable {
         shape,
       });
       native.setState(mapping, SegmentState.Live);
-      rememberRegion(mapping, { name, dataOffset: DATA_OFFSET, dataBytes: bytes });
+      rememberRegion(mapping, { name, dataOffset: DATA_OFFSET, dataBytes: bytes, seqlocked: true });
       this.#owned.set(id, { id, name, mapping, capacity: bytes, device, dtype, dtypeCode: DTYPES[dtype].code, shape, devicePointer: undefined });
       return id;
     }
@@ -342,10 +359,12 @@ export class TensorPool implements AsyncDisposable {
     } catch (e) {
       if (!(e instanceof ResourceExhaustedError) || e.details['errnoName'] !== 'EEXIST') throw e;
       let owner: SegmentMeta | undefined;
+      let problem = '';
       try {
         owner = native.headerDecode(native.shmOpen(name, MAX_SEGMENT_BYTES));
-      } catch {
+      } catch (err) {
         owner = undefined;
+        problem = err instanceof Error ? err.message : String(err);
       }
       if (owner && isProcessAlive(owner.ownerPid, owner.ownerStart)) {
         throw new ResourceExhaustedError(
@@ -353,7 +372,15 @@ export class TensorPool implements AsyncDisposable {
           { details: { field: 'owner', pid: owner.ownerPid } },
         );
       }
-      this.#logger.warn('removing a stale segment of a dead owner', { name, pid: owner?.ownerPid });
+      // An undecodable header is stale only once it is old: until then another process may
+      // still be creating it (the magic is stored last), and removing it would break that one.
+      if (!owner && !segmentOlderThan(name, STALE_INIT_GRACE_MS)) {
+        throw new ResourceExhaustedError(
+          `segment ${name} already exists and its header is not valid yet (${problem}): another process may be creating it; is another pool named ${JSON.stringify(this.owner)} starting on this host?`,
+          { details: { field: 'owner', name } },
+        );
+      }
+      this.#logger.warn('removing a stale segment', { name, pid: owner?.ownerPid, reason: owner ? 'owner is dead' : `header invalid for over ${STALE_INIT_GRACE_MS} ms: ${problem}` });
       native.shmUnlink(name);
       return native.shmCreate(name, size, init);
     }
@@ -458,10 +485,20 @@ export class TensorPool implements AsyncDisposable {
     }
     let f = this.#foreign.get(id);
     if (f && native.loadState(f.mapping) !== SegmentState.Live) {
-      this.#dropForeign(f);
+      void this.#dropForeign(f);
       f = undefined;
     }
     if (!f) {
+      // An entry this process dropped (free()) while views of it were live: take it back
+      // instead of importing the same CUDA IPC handle a second time.
+      const r = this.#retired.get(id);
+      if (r && native.loadState(r.mapping) === SegmentState.Live) {
+        this.#retired.delete(id);
+        r.dropped = false;
+        this.#foreign.set(id, r);
+        return { mapping: r.mapping, foreign: r };
+      }
+
       let mapping: ArrayBuffer;
       try {
         mapping = native.shmOpen(poolSegmentName(id), DATA_OFFSET + this.maxSlotBytes);
@@ -471,7 +508,7 @@ export class TensorPool implements AsyncDisposable {
         }
         throw e;
       }
-      f = { id, mapping, views: 0, imported: undefined, importing: undefined };
+      f = { id, mapping, views: 0, imported: undefined, importing: undefined, dropped: false, released: undefined, resolveReleased: undefined };
       this.#foreign.set(id, f);
     }
     return { mapping: f.mapping, foreign: f };
@@ -488,9 +525,17 @@ export class TensorPool implements AsyncDisposable {
   }
 
   #viewRelease(foreign: ForeignMapping | undefined): () => void {
-    if (foreign) foreign.views++;
+    if (!foreign) return () => undefined;
+    foreign.views++;
     return () => {
-      if (foreign) foreign.views = Math.max(0, foreign.views - 1);
+      foreign.views = Math.max(0, foreign.views - 1);
+      if (foreign.views > 0) return;
+      if (foreign.dropped) {
+        void this.#settle(foreign);
+      } else if (foreign.imported && native.loadState(foreign.mapping) !== SegmentState.Live) {
+        // The owner freed the slot and waits for importers: the last view gives ours back now.
+        void this.#dropForeign(foreign);
+      }
     };
   }
 
@@ -510,7 +555,7 @@ export class TensorPool implements AsyncDisposable {
     for (let i = 0; i < ndim; i++) shape.push(m[VM_SHAPE + i] as number);
     // Sizes come from the validated header: dataOffset == 4096 and byteLength <= capacity == mapping size - 4096.
     const buffer = new Uint8Array(mapping, DATA_OFFSET, byteLength);
-    rememberRegion(mapping, { name: poolSegmentName(id), dataOffset: DATA_OFFSET, dataBytes: m[VM_CAPACITY] as number });
+    // Not remembered as a grantable region: only the owner may grant its slots (invariant 13).
     const info: PoolViewInfo = { id, dtype: dtypeFromCode(m[VM_DTYPE] as number), shape, byteLength, device: 'cpu', generation };
     return new PoolView(info, mapping, buffer, undefined, this.#viewRelease(foreign));
   }
@@ -532,39 +577,93 @@ export class TensorPool implements AsyncDisposable {
     return new PoolView(this.#info(id, meta), mapping, undefined, pointer, this.#viewRelease(foreign));
   }
 
-  /** Import the CUDA IPC handle once per whole pool id; counted in the header's importers. */
+  /**
+   * Import the CUDA IPC handle once per whole pool id; counted in the header's importers.
+   * If this process drops the entry (free(), close()) or the owner frees the slot while the
+   * import is in flight, the import is closed again and the read fails with ClosedError.
+   */
   async #import(f: ForeignMapping, meta: SegmentMeta): Promise<bigint> {
-    if (f.imported) return f.imported.base;
-    if (f.importing) return f.importing;
-    f.importing = (async () => {
-      if (!native.importerAdd(f.mapping)) throw new ClosedError(`pool ${f.id} was freed by its owner`);
-      try {
-        const base = await native.cudaImport(meta.device, meta.ipcHandle);
+    if (!f.imported && !f.importing) {
+      f.importing = (async () => {
+        if (!native.importerAdd(f.mapping)) throw new ClosedError(`pool ${f.id} was freed by its owner`);
+        let base: bigint;
+        try {
+          base = await native.cudaImport(meta.device, meta.ipcHandle);
+        } catch (e) {
+          native.importerRemove(f.mapping);
+          throw e;
+        }
         f.imported = { device: meta.device, base };
         return base;
-      } catch (e) {
-        native.importerRemove(f.mapping);
-        throw e;
-      }
-    })();
-    try {
-      return await f.importing;
-    } finally {
-      f.importing = undefined;
+      })().finally(() => {
+        f.importing = undefined;
+      });
     }
+    const base = f.imported ? f.imported.base : await (f.importing as Promise<bigint>);
+    if (f.dropped || this.#closed) {
+      void this.#settle(f);
+      throw new ClosedError(`pool ${f.id} was released by this process (free() or close()) while it was being imported`, { details: { field: 'id' } });
+    }
+    if (native.loadState(f.mapping) !== SegmentState.Live) {
+      if (f.views === 0) void this.#dropForeign(f);
+      throw new ClosedError(`pool ${f.id} was freed by its owner`, { details: { field: 'id' } });
+    }
+    return base;
   }
 
+  /**
+   * Take `f` out of this process's mappings. Its import is closed (and the importer count
+   * given back) now if no view of it is live and no import is in flight, else when the last
+   * view is disposed / the import lands. Resolves when that has happened.
+   */
   #dropForeign(f: ForeignMapping): Promise<void> {
-    this.#foreign.delete(f.id);
+    if (this.#foreign.get(f.id) === f) this.#foreign.delete(f.id);
+    f.dropped = true;
+    // Once per entry (an entry taken back from #retired keeps the promise free() handed out).
+    f.released ??= new Promise<void>((resolve) => (f.resolveReleased = resolve));
+    if (f.importing) {
+      void f.importing.then(
+        () => this.#settle(f),
+        () => this.#settle(f),
+      );
+      return f.released as Promise<void>;
+    }
+    if (f.views > 0) {
+      this.#retired.set(f.id, f);
+      return f.released as Promise<void>;
+    }
+    return this.#settle(f);
+  }
+
+  /** Close a dropped entry's import once nothing uses it any more. Idempotent. */
+  #settle(f: ForeignMapping): Promise<void> {
+    const done = f.released ?? Promise.resolve();
+    if (!f.dropped || f.importing) return done;
+    if (f.views > 0) {
+      this.#retired.set(f.id, f);
+      return done;
+    }
+    if (this.#retired.get(f.id) === f) this.#retired.delete(f.id);
+    const resolve = f.resolveReleased;
+    if (!resolve) return done;
+    f.resolveReleased = undefined;
     const imp = f.imported;
     f.imported = undefined;
-    if (!imp) return Promise.resolve();
-    return native
+    if (!imp) {
+      resolve();
+      return done;
+    }
+    void native
       .cudaCloseImport(imp.device, imp.base)
       .catch((e: unknown) => this.#logger.warn('cuIpcCloseMemHandle failed', { id: f.id, error: String(e) }))
       .finally(() => {
-        native.importerRemove(f.mapping);
+        try {
+          native.importerRemove(f.mapping);
+        } finally {
+          resolve();
+        }
       });
+    return done;
   }
 
   /**
@@ -584,14 +683,18 @@ export class TensorPool implements AsyncDisposable {
    * Free a slot. The owner frees its own slot (unlinked now; views already open stay
    * mapped; a CUDA slot's device memory is released once importers close, or after the
    * timeout). Anyone else's free releases only this process's mapping and imported
-   * handle of that pool id.
+   * handle of that pool id: at once when none of its views is live, else when the last
+   * one is disposed (`deferred`; the views stay valid until then).
    */
   async free(id: string, options: { signal?: AbortSignal; forceAfterMs?: number } = {}): Promise<FreeResult> {
     const parsed = parseId(id, 'pool');
     if (parsed.owner !== this.owner) {
       const f = this.#foreign.get(id);
-      if (f) await this.#dropForeign(f);
-      return { deferred: false, released: Promise.resolve() };
+      if (!f) return { deferred: false, released: Promise.resolve() };
+      const released = this.#dropForeign(f);
+      if (f.views > 0 && f.imported) return { deferred: true, released };
+      await released;
+      return { deferred: false, released };
     }
     this.#assertOpen();
     const slot = this.#ownedSlot(id, 'free');
@@ -652,7 +755,11 @@ export class TensorPool implements AsyncDisposable {
     return sweep();
   }
 
-  /** Free every owned slot (waiting for CUDA importers up to the timeout) and release every mapping. Idempotent. */
+  /**
+   * Free every owned slot (waiting for CUDA importers up to the timeout) and release every
+   * mapping. Imports of other owners' CUDA slots that live views still use are closed when
+   * the last of those views is disposed, not here (invariant 9). Idempotent.
+   */
   close(): Promise<void> {
     this.#closed ??= (async () => {
       this.#lastWritten = undefined;
@@ -665,7 +772,11 @@ export class TensorPool implements AsyncDisposable {
         native.shmUnlink(slot.name);
         if (slot.device >= 0) frees.push(this.#releaseDevice(slot, this.#deferredFreeTimeoutMs, undefined));
       }
-      for (const f of [...this.#foreign.values()]) frees.push(this.#dropForeign(f));
+      for (const f of [...this.#foreign.values()]) {
+        const released = this.#dropForeign(f);
+        // Waiting for views the application still holds could wait forever.
+        if (f.views === 0) frees.push(released);
+      }
       frees.push(...this.#pendingFrees);
       const results = await Promise.allSettled(frees);
       for (const r of results) if (r.status === 'rejected') this.#logger.warn('release failed during close', { error: String(r.reason) });

@@ -22,10 +22,16 @@ export interface SharedRegion {
   readonly dataOffset: number;
   /** Bytes of the data area. */
   readonly dataBytes: number;
+  /**
+   * A pool slot: its data is published under the slot's seqlock by the owner's writer, so
+   * a peer's one-sided write (a plain copy that cannot take the seqlock) is refused.
+   */
+  readonly seqlocked?: boolean;
 }
 
 const regions = new WeakMap<ArrayBufferLike, SharedRegion>();
 
+/** Record a mapping this process created (never another owner's) as grantable. */
 export function rememberRegion(mapping: ArrayBufferLike, region: SharedRegion): void {
   regions.set(mapping, region);
 }
@@ -40,17 +46,42 @@ export function regionOf(view: Uint8Array): { region: SharedRegion; offset: numb
 }
 
 let exitHooked = false;
-/** Unlink every segment this process created when it exits (SIGKILL leaves them to sweep()). */
+/** Signals whose default action ends the process and that a supervisor typically sends. */
+const CLEANUP_SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
+
+function unlinkAll(): void {
+  try {
+    native.shmUnlinkAll();
+  } catch {
+    // nothing left to do at exit
+  }
+}
+
+/**
+ * Unlink every segment this process created when it exits: on 'exit', and on SIGINT /
+ * SIGTERM / SIGHUP when nothing else handles them. SIGKILL (and a crash) leaves them to
+ * sweep().
+ *
+ * Signals follow the `signal-exit` convention, so the application's own semantics never
+ * change: when the signal arrives and this hook is the only listener, it unlinks and then
+ * re-raises the signal with the hook removed, so the process dies of that signal exactly
+ * as it would have without us. When the application listens for the signal itself, the
+ * hook does nothing: the application decides whether and when to exit (its exit runs the
+ * 'exit' hook; its close() of the pool unlinks too).
+ */
 export function hookExit(): void {
   if (exitHooked) return;
   exitHooked = true;
-  process.on('exit', () => {
-    try {
-      native.shmUnlinkAll();
-    } catch {
-      // nothing left to do at exit
-    }
-  });
+  process.on('exit', unlinkAll);
+  for (const sig of CLEANUP_SIGNALS) {
+    const onSignal = (): void => {
+      if (process.listenerCount(sig) > 1) return; // the application handles it
+      unlinkAll();
+      process.off(sig, onSignal);
+      process.kill(process.pid, sig);
+    };
+    process.on(sig, onSignal);
+  }
 }
 
 /**
@@ -161,6 +192,11 @@ export function sweep(options: { dir?: string; staleInitMs?: number } = {}): Swe
     if (native.shmUnlink(name)) removed.push(name);
   }
   return { removed, kept, skipped };
+}
+
+/** True when the segment `name` (`/tw-…`) was last modified more than `ms` ago (false when it cannot be stat'ed). */
+export function segmentOlderThan(name: string, ms: number, dir = '/dev/shm'): boolean {
+  return isOld(`${dir}${name}`, ms);
 }
 
 function isOld(path: string, ms: number): boolean {

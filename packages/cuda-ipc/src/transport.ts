@@ -71,6 +71,10 @@ const G_OFFSET = EXT + 24;
 const G_LENGTH = EXT + 32;
 const G_NAME_LEN = EXT + 40;
 const G_NAME = EXT + 41;
+/** u32 grant flags (after the 200-byte name); immutable once the grant is live. */
+const G_FLAGS = EXT + 248;
+/** The target is a seqlocked pool slot: peers may read it but not write it one-sided. */
+const FLAG_NO_PEER_WRITE = 1;
 const N_HOST_LEN = EXT;
 const N_HOST = EXT + 1;
 
@@ -195,6 +199,7 @@ interface GrantTarget {
   readonly dataName: string | undefined;
   readonly device: number;
   readonly ipcHandle: Uint8Array;
+  readonly flags: number;
 }
 
 const MAX_LINE = 4096;
@@ -244,7 +249,8 @@ class CudaIpcConnection implements TransportConnection {
   // Per-connection state (invariant 2): the peer's grants, data mappings and imports.
   readonly #grants = new Map<string, GrantTarget>();
   readonly #data = new Map<string, ArrayBuffer>();
-  readonly #imports = new Map<string, { device: number; base: bigint }>();
+  /** One import per grant; the promise is cached so concurrent chunks share it. */
+  readonly #imports = new Map<string, Promise<{ device: number; base: bigint }>>();
   readonly #closeListeners: ((error: TensorwireError | undefined) => void)[] = [];
   readonly #retireListeners: (() => void)[] = [];
   readonly #socket: Socket;
@@ -376,7 +382,8 @@ class CudaIpcConnection implements TransportConnection {
     } else if (meta.device < 0) {
       throw new RemoteRejectedError(`grant ${remote.grantName} has no device`, { details: { remoteCode: 'bad-grant' } });
     }
-    const t: GrantTarget = { mapping, target: targetCode === 0 ? 'host' : 'cuda', offset, length, dataName, device: meta.device, ipcHandle: meta.ipcHandle };
+    const flags = dv.getUint32(G_FLAGS, true);
+    const t: GrantTarget = { mapping, target: targetCode === 0 ? 'host' : 'cuda', offset, length, dataName, device: meta.device, ipcHandle: meta.ipcHandle, flags };
     this.#grants.set(remote.grantName, t);
     return t;
   }
@@ -400,14 +407,19 @@ class CudaIpcConnection implements TransportConnection {
   }
 
   async #importBase(name: string, g: GrantTarget): Promise<bigint> {
-    const cached = this.#imports.get(name);
-    if (cached) return cached.base;
-    const base = await native.cudaImport(g.device, g.ipcHandle);
-    if (this.#closed) {
-      await native.cudaCloseImport(g.device, base).catch(() => undefined);
-      throw new SessionInvalidatedError('connection closed during import');
+    let p = this.#imports.get(name);
+    if (!p) {
+      const device = g.device;
+      p = native.cudaImport(device, g.ipcHandle).then((base) => ({ device, base }));
+      this.#imports.set(name, p);
+      // A failed import is not cached: a later chunk may try again.
+      p.catch(() => {
+        if (this.#imports.get(name) === p) this.#imports.delete(name);
+      });
     }
-    this.#imports.set(name, { device: g.device, base });
+    const { base } = await p;
+    // close() waits for chunks in flight and then closes every import in the map, this one included.
+    if (this.#closed) throw new SessionInvalidatedError('connection closed during import');
     return base;
   }
 
@@ -421,6 +433,13 @@ class CudaIpcConnection implements TransportConnection {
     const g = this.#grant(remote);
     if (remoteOffset < 0 || remoteOffset + length > remote.length || remoteOffset + length > g.length) {
       throw new RemoteRejectedError(`remote range ${remoteOffset}+${length} exceeds the grant of ${g.length} bytes`, { details: { remoteCode: 'bounds' } });
+    }
+    if (chunk.op === 'write' && (g.flags & FLAG_NO_PEER_WRITE) !== 0) {
+      // A plain copy into a pool slot would bypass its seqlock: readers would see changed
+      // bytes while isConsistent() stayed true. Only the slot's owner writes it.
+      throw new RemoteRejectedError(`grant ${remote.grantName} is a pool slot: peers may read it, only its owner writes it (pool.write)`, {
+        details: { remoteCode: 'read-only' },
+      });
     }
     const base = g.target === 'host' ? this.#dataMapping(g) : undefined;
     const importBase = g.target === 'cuda' ? await this.#importBase(remote.grantName, g) : undefined;
@@ -473,11 +492,11 @@ class CudaIpcConnection implements TransportConnection {
       this.#closeError = error;
       await this.#whenIdle();
       this.#socket.destroy();
-      const imports = [...this.#imports.values()];
+      const imports = await Promise.allSettled([...this.#imports.values()]);
       this.#imports.clear();
       this.#grants.clear();
       this.#data.clear();
-      await Promise.allSettled(imports.map((i) => native.cudaCloseImport(i.device, i.base)));
+      await Promise.allSettled(imports.map((r) => (r.status === 'fulfilled' ? native.cudaCloseImport(r.value.device, r.value.base) : undefined)));
       this.#owner.forget(this);
       for (const l of this.#closeListeners.splice(0)) {
         try {
@@ -657,7 +676,8 @@ export class CudaIpcTransport implements Transport {
         return { handle: new HostHandle(memory.buffer, undefined), payload: encodePayload('host', undefined, memory.buffer.byteLength) };
       }
       const token = new Uint8Array(randomBytes(TOKEN_BYTES));
-      const grant = this.#createGrant(id, 'host', r.region.dataOffset + r.offset, memory.buffer.byteLength, r.region.name, token, -1, undefined, 0);
+      const flags = r.region.seqlocked ? FLAG_NO_PEER_WRITE : 0;
+      const grant = this.#createGrant(id, 'host', r.region.dataOffset + r.offset, memory.buffer.byteLength, r.region.name, token, -1, undefined, 0, flags);
       return { handle: new HostHandle(memory.buffer, grant), payload: encodePayload('host', { name: grant.name, token }, memory.buffer.byteLength) };
     }
     if (memory.kind === 'cuda') {
@@ -670,7 +690,7 @@ export class CudaIpcTransport implements Transport {
         throw new InvalidInputError(`cuda range of ${memory.byteLength} bytes at offset ${exp.offset} exceeds its allocation of ${exp.allocSize} bytes`);
       }
       const token = new Uint8Array(randomBytes(TOKEN_BYTES));
-      const grant = this.#createGrant(id, 'cuda', exp.offset, memory.byteLength, undefined, token, memory.device, exp.handle, exp.offset);
+      const grant = this.#createGrant(id, 'cuda', exp.offset, memory.byteLength, undefined, token, memory.device, exp.handle, exp.offset, 0);
       return {
         handle: new CudaHandle(memory.device, memory.pointer, memory.byteLength, grant),
         payload: encodePayload('cuda', { name: grant.name, token }, memory.byteLength),
@@ -689,6 +709,7 @@ export class CudaIpcTransport implements Transport {
     device: number,
     ipcHandle: Uint8Array | undefined,
     ipcOffset: number,
+    flags: number,
   ): Grant {
     const name = randomSegmentName('g', id.nodeId);
     const mapping = native.shmCreate(name, HEADER_SIZE, {
@@ -711,6 +732,7 @@ export class CudaIpcTransport implements Transport {
       dv.setUint8(G_NAME_LEN, nb.length);
       new Uint8Array(mapping, G_NAME, nb.length).set(nb);
     }
+    dv.setUint32(G_FLAGS, flags, true);
     // Publish (seq_cst store): the ext written above is visible to anyone who sees it live.
     native.setState(mapping, SegmentState.Live);
     const grant = new Grant(name, mapping);
@@ -724,6 +746,11 @@ export class CudaIpcTransport implements Transport {
     }
     const grant = handle.grant;
     if (!grant) return Promise.resolve();
+    return this.#revokeGrant(grant);
+  }
+
+  /** Mark dead, zero the token, wait (bounded) for peer copies in flight to leave, unlink. Idempotent. */
+  #revokeGrant(grant: Grant): Promise<void> {
     grant.revoked ??= (async () => {
       native.grantRevoke(grant.mapping);
       const until = Date.now() + this.#revokeTimeoutMs;
@@ -824,11 +851,9 @@ export class CudaIpcTransport implements Transport {
       } catch {
         // already gone
       }
-      for (const g of [...this.#grants]) {
-        native.grantRevoke(g.mapping);
-        native.shmUnlink(g.name);
-        this.#grants.delete(g);
-      }
+      // Same drain as revoke(): a peer's copy in flight finishes before the grant goes
+      // (the registered memory may be reused the moment close() resolves, invariant 6).
+      await Promise.allSettled([...this.#grants].map((g) => this.#revokeGrant(g)));
     })();
     return this.#closed;
   }

@@ -1,7 +1,9 @@
+import { fork, type ChildProcess } from 'node:child_process';
+import { once } from 'node:events';
 import { existsSync } from 'node:fs';
 import { afterAll, describe, expect, it } from 'vitest';
 import { poolSegmentName, sweep } from '../src/index.js';
-import { killChildren, spawnNode, uniqueOwner } from './helpers.js';
+import { fixture, killChildren, spawnNode, uniqueOwner } from './helpers.js';
 
 afterAll(killChildren);
 
@@ -41,5 +43,37 @@ describe('sweep() after a SIGKILLed owner', () => {
     n.proc.disconnect();
     await n.exited;
     expect(existsSync(shmPath(poolSegmentName(id)))).toBe(false);
+  });
+});
+
+describe('signals without an application handler (exit cleanup)', () => {
+  async function start(mode: 'none' | 'own-handler'): Promise<{ proc: ChildProcess; name: string; exited: Promise<[number | null, NodeJS.Signals | null]> }> {
+    const proc = fork(fixture('signal.mjs'), [uniqueOwner('sig'), mode], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+    const exited = once(proc, 'exit') as Promise<[number | null, NodeJS.Signals | null]>;
+    const [{ name }] = (await once(proc, 'message')) as [{ name: string }];
+    return { proc, name, exited };
+  }
+
+  it('SIGTERM with no handler of its own: segments are unlinked and the process still dies of SIGTERM', async () => {
+    const { proc, name, exited } = await start('none');
+    expect(existsSync(shmPath(name))).toBe(true);
+    proc.kill('SIGTERM');
+    const [, signal] = await exited;
+    expect(signal).toBe('SIGTERM');
+    expect(existsSync(shmPath(name))).toBe(false);
+  });
+
+  it("an application's own SIGTERM handler keeps its semantics: the process lives on and its segments stay", async () => {
+    const { proc, name, exited } = await start('own-handler');
+    proc.kill('SIGTERM');
+    const [{ handled }] = (await once(proc, 'message')) as [{ handled: string }];
+    expect(handled).toBe('SIGTERM');
+    expect(proc.exitCode).toBe(null);
+    expect(existsSync(shmPath(name))).toBe(true);
+    proc.disconnect();
+    proc.kill('SIGINT'); // no app handler for SIGINT: cleaned up, dies of SIGINT
+    const [, signal] = await exited;
+    expect(signal).toBe('SIGINT');
+    expect(existsSync(shmPath(name))).toBe(false);
   });
 });
