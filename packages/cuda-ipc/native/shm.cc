@@ -195,7 +195,8 @@ uint64_t MonotonicNs() {
 
 // Polls of one unchanged odd generation before a reader decides the writer is stuck or
 // died mid-write (the same bound readers always had).
-constexpr uint32_t kMaxStuckPolls = 100000;
+// A generation that stays at the same odd value this long means the writer died mid-write.
+constexpr uint64_t kStuckWriterNs = 2000000000ull;
 // Overall bound on one read, whatever the writer does.
 constexpr uint64_t kReadDeadlineNs = 10000000000ull;
 
@@ -210,6 +211,7 @@ Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t d
   Meta snap = *m;
   uint64_t stuck_value = 0;  // even: no odd value seen yet
   uint32_t stuck_polls = 0;
+  uint64_t stuck_since = 0;  // when the current odd value was first seen
   uint32_t polls = 0;
   uint64_t deadline = 0;
   for (uint32_t attempt = 0; attempt < max_attempts;) {
@@ -219,10 +221,15 @@ Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t d
       if (g1 != stuck_value) {
         stuck_value = g1;
         stuck_polls = 0;
+        stuck_since = 0;
       }
-      if (++stuck_polls > kMaxStuckPolls) break;
-      if ((++polls & 1023u) == 0) {
+      ++stuck_polls;
+      if ((++polls & 1023u) == 0 || stuck_polls == 1) {
+        // Time, not a poll count, decides that a writer died mid-write: on a loaded machine a
+        // live writer can be descheduled for far longer than any fixed number of polls.
         uint64_t now = MonotonicNs();
+        if (stuck_since == 0) stuck_since = now;
+        if (now - stuck_since > kStuckWriterNs) break;
         if (deadline == 0) {
           deadline = now + kReadDeadlineNs;
         } else if (now > deadline) {
