@@ -24,7 +24,10 @@
  * withdrawn by its node (graceful shutdown) or, in a store with leases, deleted by the store
  * when the holder's lease lapsed (a crash). A restarted node therefore takes its id back
  * immediately after a graceful shutdown and within one lease TTL after a crash. Within one
- * record's life only its owner (same incarnation; in etcd, the same lease) may update it.
+ * record's life only its owner (the same incarnation) may update it; in etcd the owner
+ * writes under its lease, and after an outage that cost it its lease it moves its record to
+ * a new lease of its own (revoking the old one), which every client follows, so the node
+ * converges to exactly one live record with its latest content.
  */
 import { Buffer } from 'node:buffer';
 import { decodeEndpoint, endpointFromString, endpointToString, type PeerEndpoint } from './descriptor.js';

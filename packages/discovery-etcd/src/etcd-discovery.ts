@@ -11,13 +11,18 @@
  * Conflict rule: a node with the same id but another incarnation (a restart after a
  * crash, or a misconfigured duplicate) cannot take the key while the old lease lives; its
  * `publish()` waits for the key to go away (at most one TTL after a crash, at once after a
- * graceful `close()`). A watcher never lets a value override a live record unless the key
- * was deleted and re-created: a put that keeps the key's create revision but carries
- * another lease (a hand-written `etcdctl put`, a broken node) is ignored as
- * `conflicting-claim`, and so are unleased values (`unleased`, they would never lapse),
- * values whose record names another node than the key (`key-mismatch`) and malformed or
- * oversized values (the codec's reasons). Ignored values are logged with their typed
- * reason and counted in `stats()`; the watcher keeps running. When the lease of a record
+ * graceful `close()`). A watcher never lets a value of another incarnation override a live
+ * record unless the key was deleted and re-created: a put that keeps the key's create
+ * revision but carries another lease and another incarnation (a hand-written `etcdctl put`,
+ * a broken node) is ignored as `conflicting-claim`. The same incarnation under another
+ * lease is the owner re-attaching its key to a new lease after it lost the old one (etcd
+ * restarts renew leases, so the key may outlive the client's view of its lease): the owner
+ * moves the key with a transaction that compares the old lease, then revokes the old lease,
+ * and every client, old or new, follows the key to the new lease and its latest content.
+ * Also ignored: unleased values (`unleased`, they would never lapse), values whose record
+ * names another node than the key (`key-mismatch`) and malformed or oversized values (the
+ * codec's reasons). Ignored values are logged with their typed reason and counted in
+ * `stats()`; the watcher keeps running. When the lease of a record
  * that was contested that way lapses, the record is dropped.
  *
  * Outages: while etcd is unreachable, `available` is false; lookups of known nodes answer
@@ -377,8 +382,12 @@ export class EtcdDiscovery implements Discovery {
     if (record.nodeId !== nodeId) return this.#reject('key-mismatch', `record of ${record.nodeId} stored under the key of ${nodeId}`, key, nodeId);
     if (kv.lease === '0' || kv.lease === '') return this.#reject('unleased', `record of ${nodeId} is not attached to a lease, so it would never lapse`, key, nodeId);
     const live = this.#cache.get(nodeId);
-    if (live && m && create === m.createRevision && kv.lease !== m.lease) {
-      // Same key life, another writer: never let it override the live record.
+    if (live && m && create === m.createRevision && kv.lease !== m.lease && record.incarnation !== live.incarnation) {
+      // Same key life, another writer (another incarnation): never let it override the live
+      // record. The same incarnation under a new lease is the owner itself, which moved its
+      // key to a fresh lease after losing the old one (an etcd outage; the old lease is
+      // revoked): that is accepted, or every client that saw the old lease would keep the
+      // stale content (and a lease that no longer holds the key) until a contest check.
       this.#contested.set(nodeId, m.lease);
       this.#armContestCheck();
       return this.#reject(

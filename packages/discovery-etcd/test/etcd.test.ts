@@ -196,13 +196,28 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
     // The cache follows etcd again: changes made after the outage arrive.
     await holder.publish(record('holder-e', 'i1', { blockIds: ['block:kv:2'] }));
     await requester.waitFor('holder-e', { timeoutMs: 10_000, until: (r) => r.blockIds?.includes('block:kv:2') === true });
-    // And a brand-new client sees exactly one live record for the node.
+    // And a client that first synchronised during or right after the outage (it kept
+    // retrying in the background, so it may have listed the record under the holder's old
+    // lease) converges to the one live record with the latest content. Its sync and watch
+    // are eventually consistent: wait (bounded) for the content, then check it holds.
     await down.start({ timeoutMs: 10_000 });
+    await down.waitFor('holder-e', { timeoutMs: 10_000, until: (r) => r.blockIds?.includes('block:kv:2') === true });
     expect((await down.lookup('holder-e'))?.blockIds).toEqual(['block:kv:2']);
+    // The owner moving its record to a new lease is not a conflicting claim, for any client.
+    for (const d of [holder, requester, down]) expect(d.stats().rejected['conflicting-claim'] ?? 0).toBe(0);
+    // etcd holds exactly one key for the node, with the latest content, under a live lease.
+    const c = raw();
+    const keys = await c.getAll().prefix(`${prefix}nodes/`).exec();
+    expect(keys.kvs.map((kv) => kv.key.toString())).toEqual([`${prefix}nodes/holder-e`]);
+    expect(JSON.parse(keys.kvs[0]?.value.toString() ?? '{}').blockIds).toEqual(['block:kv:2']);
+    // A brand-new client's first list sees the same.
+    const fresh = await open();
+    expect((await fresh.lookup('holder-e'))?.blockIds).toEqual(['block:kv:2']);
     // The old lease of the holder (kept alive by etcd across its restart) was replaced, so
     // closing the holder removes the record for everyone.
     await holder.close();
-    await waitUntil(() => requester.peek('holder-e') === undefined, 10_000);
+    await waitUntil(() => requester.peek('holder-e') === undefined && down.peek('holder-e') === undefined && fresh.peek('holder-e') === undefined, 10_000);
+    expect((await c.getAll().prefix(`${prefix}nodes/`).keys()).length).toBe(0);
   });
 
   it('implements the same interface as StaticDiscovery (close is idempotent; disposal works)', async () => {
