@@ -219,6 +219,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("seqWrite", &Addon::SeqWriteJs),
         InstanceMethod("seqCheck", &Addon::SeqCheckJs),
         InstanceMethod("seqCopy", &Addon::SeqCopyJs),
+        InstanceMethod("seqCopyRange", &Addon::SeqCopyRangeJs),
         InstanceMethod("setState", &Addon::SetStateJs),
         InstanceMethod("loadState", &Addon::LoadStateJs),
         InstanceMethod("importerAdd", &Addon::ImporterAddJs),
@@ -429,6 +430,21 @@ class Addon : public Napi::Addon<Addon> {
     Status s = SeqCopy(seg.data, seg.size, expect, dst.data, dst.size, attempts, &m);
     if (!s.ok()) Throw(info.Env(), s);
     return MetaToJs(info.Env(), m);
+  }
+
+  // seqCopyRange(segment, offset, length, dst, maxAttempts?): a seqlock-consistent copy of
+  // mapping bytes [offset, offset + length) of a host pool slot into dst. Returns the
+  // generation the copy is consistent with (a bigint).
+  Napi::Value SeqCopyRangeJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    uint64_t offset = U64Arg(info, 1);
+    uint64_t length = U64Arg(info, 2);
+    Bytes dst = U8Arg(info, 3);
+    uint32_t attempts = info.Length() > 4 && info[4].IsNumber() ? info[4].As<Napi::Number>().Uint32Value() : 0;
+    uint64_t gen = 0;
+    Status s = SeqCopyRange(seg.data, seg.size, offset, length, dst.data, dst.size, attempts, &gen);
+    if (!s.ok()) Throw(info.Env(), s);
+    return Napi::BigInt::New(info.Env(), gen);
   }
 
   Napi::Value SetStateJs(const Napi::CallbackInfo& info) {

@@ -200,15 +200,18 @@ constexpr uint64_t kStuckWriterNs = 2000000000ull;
 // Overall bound on one read, whatever the writer does.
 constexpr uint64_t kReadDeadlineNs = 10000000000ull;
 
-// Seqlock read of the tensor metadata plus an optional data copy. `dst` may be null.
+// The seqlock reader protocol, shared by every read of seqlock-protected bytes (invariant
+// 11). `body(g1)` does the reads under an even generation g1 and returns what they amount
+// to; its result is returned only when the generation is unchanged afterwards, so a read
+// that overlapped a write is never reported (its result is dropped and the read retried).
 // `max_attempts` bounds the reads that overlapped a write and had to be retried. Waiting
 // for an odd (write in progress) generation is bounded per write: the count restarts when
 // the generation moves, so a live writer that rewrites the slot back to back (odd most of
 // the time) no longer exhausts a reader's budget and fails it with a false "write-locked";
 // a writer that died mid-write leaves one odd value and still times out as before.
-Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t dst_len, uint32_t max_attempts) {
+template <typename Body>
+Status SeqReadLoop(const uint8_t* base, uint32_t max_attempts, Body&& body) {
   const uint64_t* gen = AtomicAt<uint64_t>(base, off::generation);
-  Meta snap = *m;
   uint64_t stuck_value = 0;  // even: no odd value seen yet
   uint32_t stuck_polls = 0;
   uint64_t stuck_since = 0;  // when the current odd value was first seen
@@ -239,12 +242,7 @@ Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t d
       CpuRelax(stuck_polls);
       continue;
     }
-    ReadTensorFields(base, &snap);
-    // Validate before using any size: a torn or hostile header must not drive the copy.
-    Status s = CheckTensorMeta(snap);
-    bool copy_ok = s.ok() && dst != nullptr && snap.byte_length <= dst_len &&
-                   snap.byte_length <= size - kDataOffset;
-    if (copy_ok) std::memcpy(dst, base + kDataOffset, snap.byte_length);
+    Status s = body(g1);
     // Acquire fence: the reads above complete before the re-check below.
     __atomic_thread_fence(__ATOMIC_ACQUIRE);
     uint64_t g2 = __atomic_load_n(gen, __ATOMIC_RELAXED);
@@ -252,16 +250,31 @@ Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t d
       attempt++;
       continue;
     }
-    if (!s.ok()) return s;  // consistent and still invalid: the header is bad, not torn
+    return s;  // consistent: whatever the body concluded holds for generation g1
+  }
+  return Status::Fail(kTimedOut, "segment stayed write-locked (a writer is busy or died mid-write)");
+}
+
+// Seqlock read of the tensor metadata plus an optional data copy. `dst` may be null.
+Status SeqRead(const uint8_t* base, size_t size, Meta* m, uint8_t* dst, size_t dst_len, uint32_t max_attempts) {
+  Meta snap = *m;
+  Status s = SeqReadLoop(base, max_attempts, [&](uint64_t g1) -> Status {
+    ReadTensorFields(base, &snap);
+    // Validate before using any size: a torn or hostile header must not drive the copy.
+    Status v = CheckTensorMeta(snap);
+    bool copy_ok = v.ok() && dst != nullptr && snap.byte_length <= dst_len && snap.byte_length <= size - kDataOffset;
+    if (copy_ok) std::memcpy(dst, base + kDataOffset, snap.byte_length);
+    if (!v.ok()) return v;  // consistent and still invalid: the header is bad, not torn
     if (dst != nullptr && !copy_ok) {
       return Status::Fail(kInvalidInput, "destination of " + std::to_string(dst_len) + " bytes is smaller than the tensor (" +
                                              std::to_string(snap.byte_length) + " bytes)");
     }
     snap.generation = g1;
-    *m = snap;
     return Status::Ok();
-  }
-  return Status::Fail(kTimedOut, "segment stayed write-locked (a writer is busy or died mid-write)");
+  });
+  if (!s.ok()) return s;
+  *m = snap;
+  return Status::Ok();
 }
 
 }  // namespace
@@ -423,6 +436,34 @@ Status SeqCopy(const uint8_t* base, size_t size, const std::string& expect_id, u
   s = SeqRead(base, size, &m, dst, dst_len, max_attempts == 0 ? 100000 : max_attempts);
   if (!s.ok()) return s;
   *out = m;
+  return Status::Ok();
+}
+
+Status SeqCopyRange(const uint8_t* base, size_t size, uint64_t offset, uint64_t length, uint8_t* dst, size_t dst_len,
+                    uint32_t max_attempts, uint64_t* generation_out) {
+  Meta m;
+  Status s = DecodeStatic(base, size, kKindPool, "", &m);
+  if (!s.ok()) return s;
+  if (m.device != -1) return Status::Fail(kInvalidInput, "slot " + m.id + " holds cuda memory, not host memory");
+  // Bounds from the mapping size (fstat), never from the caller alone; overflow-safe.
+  // DecodeStatic has checked size >= kDataOffset + capacity for a host slot.
+  uint64_t data_end = static_cast<uint64_t>(size);
+  if (offset < kDataOffset || offset > data_end || length > data_end - offset) {
+    return Status::Fail(kInvalidInput, "range " + std::to_string(offset) + "+" + std::to_string(length) + " is outside the data of slot " +
+                                           m.id + " (bytes " + std::to_string(kDataOffset) + ".." + std::to_string(data_end) + ")");
+  }
+  if (dst == nullptr || length > dst_len) {
+    return Status::Fail(kInvalidInput, "destination of " + std::to_string(dst_len) + " bytes is smaller than the range (" +
+                                           std::to_string(length) + " bytes)");
+  }
+  uint64_t g = 0;
+  s = SeqReadLoop(base, max_attempts == 0 ? 100000 : max_attempts, [&](uint64_t g1) -> Status {
+    std::memcpy(dst, base + offset, static_cast<size_t>(length));
+    g = g1;
+    return Status::Ok();
+  });
+  if (!s.ok()) return Status::Fail(s.code, "slot " + m.id + ": " + s.message);
+  if (generation_out != nullptr) *generation_out = g;
   return Status::Ok();
 }
 

@@ -98,6 +98,13 @@ Status DecodeHeader(const uint8_t* base, size_t size, uint32_t require_kind, con
 // Like DecodeHeader but also copies the data (host pool slots) into dst under the seqlock.
 Status SeqCopy(const uint8_t* base, size_t size, const std::string& expect_id, uint8_t* dst, size_t dst_len,
                uint32_t max_attempts, Meta* out);
+// A seqlock-consistent copy of bytes [offset, offset + length) of a host pool slot's
+// mapping (offset counts from the start of the mapping, so it is >= the data offset) into
+// dst: the reader protocol of SeqCopy (acquire-load, bounded wait while odd, copy, acquire
+// fence, re-load, retry on change) without the tensor metadata. The range is checked
+// against the mapping size. TW_TIMED_OUT when no consistent copy could be made.
+Status SeqCopyRange(const uint8_t* base, size_t size, uint64_t offset, uint64_t length, uint8_t* dst, size_t dst_len,
+                    uint32_t max_attempts, uint64_t* generation_out);
 // Owner's write: validate against the owner's capacity, take the seqlock, copy, publish.
 Status SeqWrite(uint8_t* base, size_t size, uint64_t owner_capacity, const uint8_t* src, size_t len,
                 uint32_t dtype, const std::vector<uint64_t>& shape, uint64_t* generation_out);

@@ -94,6 +94,13 @@ export interface NativeAddon {
   seqWrite(segment: ArrayBuffer, capacity: number, src: Uint8Array, dtype: number, shape: readonly number[]): bigint;
   seqCheck(segment: ArrayBuffer, generation: bigint): boolean;
   seqCopy(segment: ArrayBuffer, expectId: string, dst: Uint8Array, maxAttempts?: number): SegmentMeta;
+  /**
+   * A seqlock-consistent copy of bytes [offset, offset + length) of a host pool slot's
+   * mapping (offsets from the start of the mapping, so >= the data offset) into `dst`
+   * (which must hold `length` bytes). Returns the generation the copy is consistent with;
+   * TimedOutError when no consistent copy could be made.
+   */
+  seqCopyRange(segment: ArrayBuffer, offset: number, length: number, dst: Uint8Array, maxAttempts?: number): bigint;
   setState(segment: ArrayBuffer, state: number): void;
   loadState(segment: ArrayBuffer): number;
   importerAdd(segment: ArrayBuffer): boolean;
@@ -212,6 +219,7 @@ export const native: NativeAddon = {
   seqWrite: wrap('seqWrite'),
   seqCheck: wrap('seqCheck'),
   seqCopy: wrap('seqCopy'),
+  seqCopyRange: wrap('seqCopyRange'),
   setState: wrap('setState'),
   loadState: wrap('loadState'),
   importerAdd: wrap('importerAdd'),

@@ -16,7 +16,8 @@
  *   the grant name and token. A peer's copy enters the grant (counter++, then state and
  *   token checked, seq_cst), copies, and leaves. `revoke()` marks the grant dead, zeroes the
  *   token, waits for the counter to reach 0, then unlinks it: after that every access fails
- *   with RemoteRejectedError, even through mappings the peer has cached.
+ *   with RemoteRejectedError, even through mappings the peer has cached. A grant over a pool
+ *   slot is read-only to peers, and a peer reads it under the slot's seqlock (never torn).
  * - Other host memory (a plain Uint8Array) registers as local-only: it can be the local
  *   side of any transfer, and a peer that tries to use it remotely gets a clear
  *   InvalidInputError from decodeRemote.
@@ -73,8 +74,11 @@ const G_NAME_LEN = EXT + 40;
 const G_NAME = EXT + 41;
 /** u32 grant flags (after the 200-byte name); immutable once the grant is live. */
 const G_FLAGS = EXT + 248;
-/** The target is a seqlocked pool slot: peers may read it but not write it one-sided. */
-const FLAG_NO_PEER_WRITE = 1;
+/**
+ * The target is a seqlocked pool slot: peers may read it (under the slot's seqlock) but not
+ * write it one-sided.
+ */
+const FLAG_SEQLOCKED = 1;
 const N_HOST_LEN = EXT;
 const N_HOST = EXT + 1;
 
@@ -434,7 +438,7 @@ class CudaIpcConnection implements TransportConnection {
     if (remoteOffset < 0 || remoteOffset + length > remote.length || remoteOffset + length > g.length) {
       throw new RemoteRejectedError(`remote range ${remoteOffset}+${length} exceeds the grant of ${g.length} bytes`, { details: { remoteCode: 'bounds' } });
     }
-    if (chunk.op === 'write' && (g.flags & FLAG_NO_PEER_WRITE) !== 0) {
+    if (chunk.op === 'write' && (g.flags & FLAG_SEQLOCKED) !== 0) {
       // A plain copy into a pool slot would bypass its seqlock: readers would see changed
       // bytes while isConsistent() stayed true. Only the slot's owner writes it.
       throw new RemoteRejectedError(`grant ${remote.grantName} is a pool slot: peers may read it, only its owner writes it (pool.write)`, {
@@ -449,7 +453,20 @@ class CudaIpcConnection implements TransportConnection {
       throw new RemoteRejectedError(`grant ${remote.grantName} ${why}`, { details: { remoteCode: entered === GrantResult.Revoked ? 'revoked' : 'bad-token' } });
     }
     try {
-      if (base) {
+      if (base && chunk.op === 'read' && (g.flags & FLAG_SEQLOCKED) !== 0) {
+        // A pool slot: its owner writes it under the slot's seqlock, so a plain copy could
+        // catch a write half done. Copy under the seqlock (invariant 11); into a staging
+        // buffer first when the local side is device memory.
+        const at = g.offset + remoteOffset;
+        if (local instanceof HostHandle) {
+          native.seqCopyRange(base, at, length, local.buffer.subarray(localOffset, localOffset + length));
+        } else {
+          const staging = new Uint8Array(length);
+          native.seqCopyRange(base, at, length, staging);
+          await native.cudaCopy('h2d', local.device, local.pointer + BigInt(localOffset), staging, length);
+        }
+      } else if (base) {
+        // Shared memory without a seqlock (allocateSharedMemory): plain copies.
         const remoteView = new Uint8Array(base, g.offset + remoteOffset, length);
         if (local instanceof HostHandle) {
           const localView = local.buffer.subarray(localOffset, localOffset + length);
@@ -676,7 +693,7 @@ export class CudaIpcTransport implements Transport {
         return { handle: new HostHandle(memory.buffer, undefined), payload: encodePayload('host', undefined, memory.buffer.byteLength) };
       }
       const token = new Uint8Array(randomBytes(TOKEN_BYTES));
-      const flags = r.region.seqlocked ? FLAG_NO_PEER_WRITE : 0;
+      const flags = r.region.seqlocked ? FLAG_SEQLOCKED : 0;
       const grant = this.#createGrant(id, 'host', r.region.dataOffset + r.offset, memory.buffer.byteLength, r.region.name, token, -1, undefined, 0, flags);
       return { handle: new HostHandle(memory.buffer, grant), payload: encodePayload('host', { name: grant.name, token }, memory.buffer.byteLength) };
     }

@@ -1,0 +1,135 @@
+/**
+ * A peer's one-sided read of a pool slot through the cuda-ipc transport copies under the
+ * slot's seqlock (invariant 11): an owner process rewrites the slot continuously, every write
+ * one value repeated, and this process reads it through the transport, whole and in part,
+ * many times. No successful read may ever show mixed values.
+ */
+import { fork } from 'node:child_process';
+import { once } from 'node:events';
+import { afterAll, describe, expect, it } from 'vitest';
+import { InvalidInputError, TimedOutError, TransferEngine, silentLogger } from '@tensorwire/core';
+import { CudaIpcTransport, TensorPool, allocateSharedMemory } from '../src/index.js';
+import { native } from '../src/native.js';
+import { fixture, killChildren, uniqueOwner } from './helpers.js';
+
+afterAll(killChildren);
+
+const DATA_OFFSET = 4096;
+
+function uniform(a: Uint32Array): boolean {
+  const v = a[0];
+  for (let i = 1; i < a.length; i++) if (a[i] !== v) return false;
+  return true;
+}
+
+describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
+  it('never returns a torn copy while the owner process writes the slot', async () => {
+    const elems = 64 * 1024; // 256 KiB: a copy takes long enough to overlap writes often
+    const holderNode = `sh${process.pid}`;
+    const holder = fork(fixture('slot-holder.mjs'), [uniqueOwner('sh'), String(elems), holderNode], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+    const [ready] = (await once(holder, 'message')) as [{ endpoint: string; descriptor: string }];
+    const endpoint = new Uint8Array(Buffer.from(ready.endpoint, 'base64'));
+    const descriptor = new Uint8Array(Buffer.from(ready.descriptor, 'base64'));
+    // Two requester engines (two connections to the holder), one whole-slot and one sub-range reader.
+    const engines = [0, 1].map((i) => new TransferEngine({ nodeId: `sr${i}${process.pid}`, transports: [new CudaIpcTransport()], logger: silentLogger, metrics: false }));
+    try {
+      await Promise.all(engines.map((e) => e.start()));
+      const [ea, eb] = engines as [TransferEngine, TransferEngine];
+      const whole = await ea.register({ kind: 'host', buffer: new Uint8Array(elems * 4) });
+      const part = await eb.register({ kind: 'host', buffer: new Uint8Array(elems * 2) });
+      const wholeView = new Uint32Array((whole.memory as { buffer: Uint8Array }).buffer.buffer, 0, elems);
+      // Bytes [4 + 4·1000, +elems·2 - 8) of the slot into part at offset 4: an unaligned-to-the-page range.
+      const partLen = elems * 2 - 8;
+      const partView = new Uint32Array((part.memory as { buffer: Uint8Array }).buffer.buffer, 4, partLen / 4);
+      let ok = 0;
+      let timedOut = 0;
+      let torn = 0;
+      const seen = new Set<number>();
+      for (let i = 0; i < 2000; i++) {
+        for (const [e, req, view] of [
+          [ea, { local: whole, remote: descriptor }, wholeView],
+          [eb, { local: part, localOffset: 4, remote: descriptor, remoteOffset: 4 + 4 * 1000, length: partLen }, partView],
+        ] as const) {
+          try {
+            const report = await e.read(endpoint, [req]);
+            expect(report.transport).toBe('cuda-ipc');
+          } catch (err) {
+            if (err instanceof TimedOutError) {
+              timedOut++;
+              continue;
+            }
+            throw err;
+          }
+          ok++;
+          if (!uniform(view)) torn++;
+          seen.add(view[0] as number);
+        }
+      }
+      holder.send({ op: 'stop' });
+      const [{ writes }] = (await once(holder, 'message')) as [{ writes: number }];
+      await once(holder, 'exit');
+      expect(torn, `torn reads (${ok} successful, ${timedOut} timed out, ${writes} writes)`).toBe(0);
+      expect(ok).toBeGreaterThan(3000);
+      // The reads really overlapped many different writes (otherwise the test proves nothing).
+      expect(writes).toBeGreaterThan(100);
+      expect(seen.size).toBeGreaterThan(10);
+      console.info(`transport seqlock: ${ok} reads, ${timedOut} timed out, ${seen.size} values seen, ${writes} writes`);
+    } finally {
+      holder.kill('SIGKILL');
+      await Promise.all(engines.map((e) => e.close()));
+    }
+  });
+
+  it('seqCopyRange checks the range against the mapping and the segment kind', async () => {
+    const pool = new TensorPool({ owner: uniqueOwner('sc') });
+    try {
+      const id = await pool.register({ dtype: 'uint8', shape: [100] });
+      pool.writeSync(id, new Uint8Array(100).fill(7));
+      const view = pool.readSync(id);
+      const mapping = (view.buffer as Uint8Array).buffer as ArrayBuffer;
+      const dst = new Uint8Array(100);
+      const gen = native.seqCopyRange(mapping, DATA_OFFSET + 10, 90, dst);
+      expect(gen).toBe(view.generation);
+      expect(dst.subarray(0, 90).every((x) => x === 7)).toBe(true);
+      const bad: [number, number, Uint8Array][] = [
+        [DATA_OFFSET - 1, 1, dst], // inside the header
+        [0, 10, dst],
+        [DATA_OFFSET + 1, 100, dst], // one past the end
+        [DATA_OFFSET + 101, 0, dst],
+        [DATA_OFFSET, 2 ** 53 - 1, dst], // would overflow
+        [2 ** 53 - 1, 1, dst],
+        [DATA_OFFSET, 100, new Uint8Array(99)], // destination too small
+      ];
+      for (const [offset, length, into] of bad) {
+        expect(() => native.seqCopyRange(mapping, offset, length, into), `${offset}+${length}`).toThrow(InvalidInputError);
+      }
+      expect(() => native.seqCopyRange(new ArrayBuffer(8192), DATA_OFFSET, 1, dst)).toThrow(InvalidInputError);
+      view.dispose();
+      // A shared region without a seqlock is a pool-kind segment too; its generation stays even.
+      const shared = allocateSharedMemory(64, 'scr');
+      shared.fill(3);
+      expect(native.seqCopyRange(shared.buffer as ArrayBuffer, DATA_OFFSET, 64, dst)).toBe(0n);
+      expect(dst.subarray(0, 64).every((x) => x === 3)).toBe(true);
+    } finally {
+      await pool.close();
+    }
+  });
+
+  it('seqCopyRange times out on a slot whose writer died mid-write', async () => {
+    const pool = new TensorPool({ owner: uniqueOwner('st') });
+    try {
+      const id = await pool.register({ dtype: 'uint8', shape: [16] });
+      const view = pool.readSync(id);
+      const mapping = (view.buffer as Uint8Array).buffer as ArrayBuffer;
+      const gen = new BigUint64Array(mapping, 128, 1);
+      gen[0] = (gen[0] as bigint) | 1n; // a writer that took the lock and died
+      const t0 = Date.now();
+      expect(() => native.seqCopyRange(mapping, DATA_OFFSET, 16, new Uint8Array(16))).toThrow(TimedOutError);
+      expect(Date.now() - t0).toBeLessThan(15_000);
+      gen[0] = (gen[0] as bigint) + 1n;
+      view.dispose();
+    } finally {
+      await pool.close();
+    }
+  });
+});
