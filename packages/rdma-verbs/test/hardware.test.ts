@@ -17,8 +17,7 @@ import {
   type TransportHost,
 } from '@tensorwire/core';
 import { afterEach, describe, expect, it } from 'vitest';
-import type * as ConformanceNs from '@tensorwire/core/testing';
-type ConformanceModule = typeof ConformanceNs;
+import { describeTransportConformance } from '@tensorwire/core/testing';
 import { capabilities } from '../src/capabilities.js';
 import { loadNative, type NativeCounters } from '../src/native.js';
 import { RdmaTransport, type RdmaConnection } from '../src/transport.js';
@@ -30,25 +29,11 @@ if (skipReason) console.warn(`[rdma-verbs] skipping the hardware suites: ${skipR
 const device = caps.selected?.device;
 
 // ------------------------------------------------------------ core's conformance suite
-let conformance: ConformanceModule | undefined;
-let conformanceMissing: string | undefined;
-try {
-  conformance = (await import('@tensorwire/core/testing')) as ConformanceModule;
-} catch (e) {
-  conformanceMissing = `@tensorwire/core/testing could not be imported: ${e instanceof Error ? e.message : String(e)}`;
-  console.warn(`[rdma-verbs] ${conformanceMissing}`);
-}
-if (conformance) {
-  conformance.describeTransportConformance({
-    name: `rdma on ${device ?? 'no device'} (loopback)`,
-    createTransport: () => new RdmaTransport({ ...(device ? { device } : {}), listenHost: '127.0.0.1', advertiseHost: '127.0.0.1' }),
-    ...(skipReason ? { skip: skipReason } : {}),
-  });
-} else {
-  describe.skip(`rdma conformance — skipped: ${conformanceMissing ?? ''}`, () => {
-    it('needs @tensorwire/core/testing', () => undefined);
-  });
-}
+describeTransportConformance({
+  name: `rdma on ${device ?? 'no device'} (loopback)`,
+  createTransport: () => new RdmaTransport({ ...(device ? { device } : {}), listenHost: '127.0.0.1', advertiseHost: '127.0.0.1' }),
+  ...(skipReason ? { skip: skipReason } : {}),
+});
 
 // ------------------------------------------------------------ transport-level hardware tests
 
