@@ -21,3 +21,11 @@ export function gbps(bytes: number, ms: number): number {
 export function nowMs(): number {
   return Number(process.hrtime.bigint()) / 1e6;
 }
+
+/** Median (mean of the two middle values for an even count); 0 for no samples. */
+export function median(xs: readonly number[]): number {
+  const s = [...xs].sort((a, b) => a - b);
+  const n = s.length;
+  if (n === 0) return 0;
+  return n % 2 === 1 ? (s[(n - 1) / 2] as number) : ((s[n / 2 - 1] as number) + (s[n / 2] as number)) / 2;
+}

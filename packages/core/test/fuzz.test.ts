@@ -14,6 +14,21 @@ import {
 
 const { FrameParser, FrameType, decodeHello, encodeHello, decodeReadReq, decodeWriteHead, decodeError, encodeError, frameHeader, HEADER_BYTES } = tcpFrames;
 
+/** Feed `bytes` to the parser in pieces of the given sizes (cycled); it may only fail with InvalidInputError. */
+function feedInSplits(parser: InstanceType<typeof FrameParser>, bytes: Uint8Array, splits: readonly number[]): void {
+  let off = 0;
+  let i = 0;
+  try {
+    while (off < bytes.length) {
+      const n = splits[i++ % splits.length] as number;
+      parser.push(bytes.subarray(off, off + n));
+      off += n;
+    }
+  } catch (e) {
+    expect(e).toBeInstanceOf(InvalidInputError);
+  }
+}
+
 /** Decoders may only ever throw InvalidInputError. */
 function onlyInvalidInput(fn: () => unknown): void {
   try {
@@ -128,17 +143,7 @@ describe('tcp frame decoders', () => {
           onDataDone: () => undefined,
         };
         const parser = new FrameParser(sink, 1 << 20);
-        let off = 0;
-        let i = 0;
-        try {
-          while (off < bytes.length) {
-            const n = splits[i++ % splits.length] as number;
-            parser.push(bytes.subarray(off, off + n));
-            off += n;
-          }
-        } catch (e) {
-          expect(e).toBeInstanceOf(InvalidInputError);
-        }
+        feedInSplits(parser, bytes, splits);
         expect(guard.subarray(0, 100).every((x) => x === 0xee)).toBe(true);
         expect(guard.subarray(200).every((x) => x === 0xee)).toBe(true);
       }),
@@ -170,17 +175,7 @@ describe('tcp frame decoders', () => {
         };
         const bytes = Buffer.concat(frames.map((f) => Buffer.concat([frameHeader(f.type, f.reqId, f.length), Buffer.alloc(f.length, f.fill)])));
         const parser = new FrameParser(sink, 4096);
-        let off = 0;
-        let i = 0;
-        try {
-          while (off < bytes.length) {
-            const n = splits[i++ % splits.length] as number;
-            parser.push(bytes.subarray(off, off + n));
-            off += n;
-          }
-        } catch (e) {
-          expect(e).toBeInstanceOf(InvalidInputError);
-        }
+        feedInSplits(parser, bytes, splits);
         expect(guard.subarray(0, 100).every((x) => x === 0xee)).toBe(true);
         expect(guard.subarray(200, 250).every((x) => x === 0xee)).toBe(true);
         expect(guard.subarray(275).every((x) => x === 0xee)).toBe(true);

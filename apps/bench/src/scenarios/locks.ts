@@ -10,21 +10,11 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import { LockClient } from '@tensorwire/lock-client';
+import { ECHO_SERVICE } from '../echo.js';
 import { spawnWorker, type Worker } from '../proc.js';
 import { nowMs, summarize } from '../stats.js';
 import { BenchError, type Measurement, type Ratio, type Scenario, type ScenarioResult } from '../types.js';
 
-const ECHO_SERVICE: grpc.ServiceDefinition = {
-  Echo: {
-    path: '/tensorwire.bench.Echo/Echo',
-    requestStream: false,
-    responseStream: false,
-    requestSerialize: (b: Buffer) => b,
-    requestDeserialize: (b: Buffer) => b,
-    responseSerialize: (b: Buffer) => b,
-    responseDeserialize: (b: Buffer) => b,
-  },
-};
 
 interface EchoClient extends grpc.Client {
   Echo(req: Buffer, cb: (e: grpc.ServiceError | null, r?: Buffer) => void): grpc.ClientUnaryCall;

@@ -8,22 +8,12 @@
  */
 import * as grpc from '@grpc/grpc-js';
 import { LockServer } from '@tensorwire/lock-client/server';
+import { ECHO_SERVICE } from '../echo.js';
 import { workerInit } from '../proc.js';
 
 const io = workerInit();
 const lockTimeoutMs = Number(process.argv[2] ?? '2000');
 
-export const ECHO_SERVICE: grpc.ServiceDefinition = {
-  Echo: {
-    path: '/tensorwire.bench.Echo/Echo',
-    requestStream: false,
-    responseStream: false,
-    requestSerialize: (b: Buffer) => b,
-    requestDeserialize: (b: Buffer) => b,
-    responseSerialize: (b: Buffer) => b,
-    responseDeserialize: (b: Buffer) => b,
-  },
-};
 
 const pinned = new Set<string>();
 const server = new LockServer({

@@ -9,6 +9,7 @@
  */
 import { TensorPool } from '@tensorwire/cuda-ipc';
 import { workerInit } from '../proc.js';
+import { median } from '../stats.js';
 
 const io = workerInit();
 const pool = new TensorPool({ owner: `bench-consumer-${process.pid}` });
@@ -22,12 +23,6 @@ function sum(a: Uint8Array): number {
   return s;
 }
 
-function median(xs: number[]): number {
-  const s = [...xs].sort((a, b) => a - b);
-  const n = s.length;
-  if (n === 0) return 0;
-  return n % 2 === 1 ? (s[(n - 1) / 2] as number) : ((s[n / 2 - 1] as number) + (s[n / 2] as number)) / 2;
-}
 
 io.onMessage((m) => {
   void (async () => {
