@@ -15,7 +15,7 @@
  */
 import { ByteReader, ByteWriter } from './codec.js';
 import { InvalidInputError } from './errors.js';
-import { assertOwner, idProblem } from './ids.js';
+import { assertOwner, idProblem, isToken } from './ids.js';
 import type { MemoryKind, NodeIdentity } from './transport.js';
 
 export const DESCRIPTOR_VERSION = 1;
@@ -24,7 +24,6 @@ export const MAX_TRANSPORTS_PER_BLOB = 16;
 const DESCRIPTOR_MAGIC = [0x54, 0x57, 0x44]; // TWD
 const ENDPOINT_MAGIC = [0x54, 0x57, 0x45]; // TWE
 const TRANSPORT_NAME_RE = /^[a-z][a-z0-9-]{0,31}$/;
-const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
 
 export interface MemoryDescriptor {
   readonly owner: Pick<NodeIdentity, 'nodeId' | 'incarnation'>;
@@ -50,9 +49,9 @@ export function assertTransportName(name: unknown): asserts name is string {
   }
 }
 
-function assertToken(value: string, field: string): void {
-  if (!TOKEN_RE.test(value)) {
-    throw new InvalidInputError(`${field} ${JSON.stringify(value.slice(0, 80))} must be 1-64 characters of [A-Za-z0-9_-]`, {
+function assertToken(value: unknown, field: string): void {
+  if (!isToken(value)) {
+    throw new InvalidInputError(`${field} ${JSON.stringify(String(value).slice(0, 80))} must be 1-64 characters of [A-Za-z0-9_-]`, {
       details: { field },
     });
   }

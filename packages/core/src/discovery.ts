@@ -32,7 +32,7 @@
 import { Buffer } from 'node:buffer';
 import { decodeEndpoint, endpointFromString, endpointToString, type PeerEndpoint } from './descriptor.js';
 import { ClosedError, ConnectionBrokenError, InvalidInputError, TimedOutError, errorFromSignal, type TensorwireErrorOptions } from './errors.js';
-import { idProblem, ownerProblem } from './ids.js';
+import { idProblem, isToken, ownerProblem } from './ids.js';
 import { silentLogger, type Logger } from './logger.js';
 import type { ConnectionInfo } from './engine.js';
 import type { NodeIdentity } from './transport.js';
@@ -96,7 +96,6 @@ export interface RecordRejected {
   readonly nodeId?: string;
 }
 
-const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
 const HOST_RE = /^(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,62})(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,62}))*|\[[0-9A-Fa-f:.]{2,45}\])$/;
 const RECORD_KEYS: ReadonlySet<string> = new Set(['v', 'nodeId', 'incarnation', 'hostId', 'endpoint', 'lockAddress', 'blockIds']);
 
@@ -121,8 +120,8 @@ export function validateNodeRecord(record: NodeRecord): NodeRecord {
   if (typeof record !== 'object' || record === null) throw new InvalidRecordError('malformed', 'node record must be an object');
   const nodeProblem = ownerProblem(record.nodeId);
   if (nodeProblem !== undefined) throw fieldError('nodeId', nodeProblem);
-  if (typeof record.incarnation !== 'string' || !TOKEN_RE.test(record.incarnation)) throw fieldError('incarnation', 'must be 1-64 characters of [A-Za-z0-9_-]');
-  if (typeof record.hostId !== 'string' || !TOKEN_RE.test(record.hostId)) throw fieldError('hostId', 'must be 1-64 characters of [A-Za-z0-9_-]');
+  if (!isToken(record.incarnation)) throw fieldError('incarnation', 'must be 1-64 characters of [A-Za-z0-9_-]');
+  if (!isToken(record.hostId)) throw fieldError('hostId', 'must be 1-64 characters of [A-Za-z0-9_-]');
   if (!(record.endpoint instanceof Uint8Array)) throw fieldError('endpoint', 'must be bytes');
   if (record.endpoint.byteLength === 0 || record.endpoint.byteLength > MAX_RECORD_ENDPOINT_BYTES) {
     throw fieldError('endpoint', `must be 1-${MAX_RECORD_ENDPOINT_BYTES} bytes, got ${record.endpoint.byteLength}`, record.endpoint.byteLength > 0 ? 'oversized' : 'invalid-field');

@@ -1,6 +1,7 @@
 import { createHash } from 'node:crypto';
 import { readFileSync } from 'node:fs';
 import { hostname } from 'node:os';
+import { isToken } from './ids.js';
 
 let cached: string | undefined;
 
@@ -12,7 +13,7 @@ let cached: string | undefined;
 export function defaultHostId(): string {
   if (cached !== undefined) return cached;
   const override = process.env['TENSORWIRE_HOST_ID'];
-  if (override !== undefined && /^[A-Za-z0-9_-]{1,64}$/.test(override)) return (cached = override);
+  if (isToken(override)) return (cached = override);
   let boot = '';
   for (const path of ['/proc/sys/kernel/random/boot_id', '/etc/machine-id']) {
     try {

@@ -53,6 +53,14 @@ export function assertOwner(owner: unknown): asserts owner is string {
   if (problem !== undefined) throw new InvalidInputError(problem, { details: { field: 'owner' } });
 }
 
+/**
+ * True for a token: 1-64 characters of `[A-Za-z0-9_-]` — the form of an id's local part, an
+ * incarnation, a host id, an acquire nonce. One definition for every decoder that checks one.
+ */
+export function isToken(value: unknown): value is string {
+  return typeof value === 'string' && LOCAL_RE.test(value);
+}
+
 function localProblem(local: unknown): string | undefined {
   if (typeof local !== 'string') return `local id must be a string, got ${typeof local}`;
   if (!LOCAL_RE.test(local)) {

@@ -208,31 +208,28 @@ CudaStatus CudaDriver::CloseImport(int device, CUdeviceptr ptr) {
   return Check(cuIpcCloseMemHandle_(ptr), "cuIpcCloseMemHandle");
 }
 
-CudaStatus CudaDriver::CopyHtoD(int device, CUdeviceptr dst, const void* src, size_t n) {
+// One copy on the device's stream, then wait for it: the caller's memory is free to reuse
+// only after the copy is done. Reports the copy's error first, else the sync's.
+template <typename Issue>
+CudaStatus CudaDriver::CopyOnStream(int device, const char* what, Issue issue) {
   CUstream st = nullptr;
   CudaStatus s = MakeCurrent(device, &st);
   if (!s.ok()) return s;
-  s = Check(cuMemcpyHtoDAsync_(dst, src, n, st), "cuMemcpyHtoDAsync");
+  s = Check(issue(st), what);
   CudaStatus sync = Check(cuStreamSynchronize_(st), "cuStreamSynchronize");
   return s.ok() ? sync : s;
+}
+
+CudaStatus CudaDriver::CopyHtoD(int device, CUdeviceptr dst, const void* src, size_t n) {
+  return CopyOnStream(device, "cuMemcpyHtoDAsync", [&](CUstream st) { return cuMemcpyHtoDAsync_(dst, src, n, st); });
 }
 
 CudaStatus CudaDriver::CopyDtoH(int device, void* dst, CUdeviceptr src, size_t n) {
-  CUstream st = nullptr;
-  CudaStatus s = MakeCurrent(device, &st);
-  if (!s.ok()) return s;
-  s = Check(cuMemcpyDtoHAsync_(dst, src, n, st), "cuMemcpyDtoHAsync");
-  CudaStatus sync = Check(cuStreamSynchronize_(st), "cuStreamSynchronize");
-  return s.ok() ? sync : s;
+  return CopyOnStream(device, "cuMemcpyDtoHAsync", [&](CUstream st) { return cuMemcpyDtoHAsync_(dst, src, n, st); });
 }
 
 CudaStatus CudaDriver::CopyDtoD(int device, CUdeviceptr dst, CUdeviceptr src, size_t n) {
-  CUstream st = nullptr;
-  CudaStatus s = MakeCurrent(device, &st);
-  if (!s.ok()) return s;
-  s = Check(cuMemcpyDtoDAsync_(dst, src, n, st), "cuMemcpyDtoDAsync");
-  CudaStatus sync = Check(cuStreamSynchronize_(st), "cuStreamSynchronize");
-  return s.ok() ? sync : s;
+  return CopyOnStream(device, "cuMemcpyDtoDAsync", [&](CUstream st) { return cuMemcpyDtoDAsync_(dst, src, n, st); });
 }
 
 CudaStatus CudaDriver::HostRegister(void* p, size_t n) {

@@ -68,6 +68,8 @@ class CudaDriver {
  private:
   CudaStatus Check(CUresult r, const char* call);
   CudaStatus MakeCurrent(int device, CUstream* stream);
+  template <typename Issue>
+  CudaStatus CopyOnStream(int device, const char* what, Issue issue);
   void* Sym(const char* const* names, std::string* missing);
 
   std::once_flag probe_once_;

@@ -53,6 +53,7 @@ import {
   type TransportHost,
   type TransportRegistration,
   type TransferChunk,
+  isToken,
 } from '@tensorwire/core';
 import { GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native } from './native.js';
 import { randomSegmentName, segmentNameProblem } from './names.js';
@@ -142,7 +143,7 @@ export function decodeEndpointBlob(bytes: Uint8Array): EndpointInfo {
   const v = r.u8('version');
   if (v !== WIRE_VERSION) throw new InvalidInputError(`cuda-ipc endpoint version ${v} is not supported`, { details: { field: 'version' } });
   const hostId = r.str8('host id');
-  if (!/^[A-Za-z0-9_-]{1,64}$/.test(hostId)) throw new InvalidInputError('cuda-ipc endpoint: bad host id', { details: { field: 'hostId' } });
+  if (!isToken(hostId)) throw new InvalidInputError('cuda-ipc endpoint: bad host id', { details: { field: 'hostId' } });
   const presence = r.str8('presence segment');
   const p = segmentNameProblem(presence);
   if (p !== undefined || !presence.startsWith('/tw-n.')) throw new InvalidInputError(`cuda-ipc endpoint: ${p ?? 'not a presence segment'}`, { details: { field: 'presence' } });
@@ -236,11 +237,6 @@ function onLines(socket: Socket, handler: (msg: Record<string, unknown>) => void
 
 function sendLine(socket: Socket, msg: Record<string, unknown>): void {
   if (!socket.destroyed && socket.writable) socket.write(JSON.stringify(msg) + '\n');
-}
-
-const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
-function isToken(v: unknown): v is string {
-  return typeof v === 'string' && TOKEN_RE.test(v);
 }
 
 class CudaIpcConnection implements TransportConnection {

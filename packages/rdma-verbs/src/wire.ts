@@ -18,13 +18,12 @@
  *          | u8 activeMtu | u8 initiatorDepth | u8 responderResources | u8 qpCount
  *          | qpCount × (u32 qpn, u32 psn)      — qpn and psn are 24-bit
  */
-import { assertOwner, ByteReader, ByteWriter, InvalidInputError, type NodeIdentity } from '@tensorwire/core';
+import { assertOwner, ByteReader, ByteWriter, InvalidInputError, isToken, type NodeIdentity } from '@tensorwire/core';
 import { isU24 } from './attributes.js';
 
 export const WIRE_VERSION = 1;
 export const MAX_FRAME = 4096;
 export const MAX_QPS_PER_PEER = 16;
-const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
 
 export interface RdmaEndpoint {
   readonly host: string;
@@ -103,7 +102,7 @@ function checkMtu(v: number, what: string): void {
 }
 
 function checkToken(v: string, field: string, what: string): void {
-  if (!TOKEN_RE.test(v)) bad(what, field, `${field} must be 1-64 characters of [A-Za-z0-9_-]`);
+  if (!isToken(v)) bad(what, field, `${field} must be 1-64 characters of [A-Za-z0-9_-]`);
 }
 
 // ---------------------------------------------------------------------------- endpoint
@@ -198,13 +197,18 @@ function writeSetup(w: ByteWriter, s: QpSetup, what: string): void {
   }
 }
 
-function readSetup(r: ByteReader, what: string): QpSetup {
-  const nodeId = r.str8('nodeId');
+function readOwner(r: ByteReader, field: string, what: string, label: string): string {
+  const v = r.str8(field);
   try {
-    assertOwner(nodeId);
+    assertOwner(v);
   } catch {
-    bad(what, 'nodeId', 'node id is not a valid owner name');
+    bad(what, field, `${label} is not a valid owner name`);
   }
+  return v;
+}
+
+function readSetup(r: ByteReader, what: string): QpSetup {
+  const nodeId = readOwner(r, 'nodeId', what, 'node id');
   const incarnation = r.str8('incarnation');
   checkToken(incarnation, 'incarnation', what);
   const hostId = r.str8('hostId');
@@ -268,12 +272,7 @@ export function decodeMessage(body: Uint8Array): ControlMessage {
       const what = 'rdma hello message';
       magic(r, 'RVH', what);
       const setup = readSetup(r, what);
-      const nodeId = r.str8('targetNodeId');
-      try {
-        assertOwner(nodeId);
-      } catch {
-        bad(what, 'targetNodeId', 'target node id is not a valid owner name');
-      }
+      const nodeId = readOwner(r, 'targetNodeId', what, 'target node id');
       const incarnation = r.str8('targetIncarnation');
       checkToken(incarnation, 'targetIncarnation', what);
       m = { type: 'hello', setup, target: { nodeId, incarnation } };

@@ -25,15 +25,13 @@
  */
 import { ByteReader, ByteWriter } from '../codec.js';
 import { InvalidInputError } from '../errors.js';
-import { ownerProblem } from '../ids.js';
-
-const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
+import { isToken, ownerProblem } from '../ids.js';
 
 function checkIdentity(what: string, nodeId: string, incarnation: string, hostId?: string): void {
   const problem = ownerProblem(nodeId);
   if (problem !== undefined) throw new InvalidInputError(`${what}: ${problem}`, { details: { field: 'nodeId' } });
-  if (!TOKEN_RE.test(incarnation)) throw new InvalidInputError(`${what}: malformed incarnation`, { details: { field: 'incarnation' } });
-  if (hostId !== undefined && !TOKEN_RE.test(hostId)) throw new InvalidInputError(`${what}: malformed host id`, { details: { field: 'hostId' } });
+  if (!isToken(incarnation)) throw new InvalidInputError(`${what}: malformed incarnation`, { details: { field: 'incarnation' } });
+  if (hostId !== undefined && !isToken(hostId)) throw new InvalidInputError(`${what}: malformed host id`, { details: { field: 'hostId' } });
 }
 
 export const PROTOCOL_VERSION = 1;

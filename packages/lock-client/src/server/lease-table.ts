@@ -16,7 +16,7 @@
  *   never usable past its deadline even if the GC timer runs late.
  */
 import { randomBytes } from 'node:crypto';
-import { formatId, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
+import { formatId, isToken, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
 import { LeaseError, type LeaseStatus } from '../errors.js';
 import { blockIdProblem, occursBefore, PAIRWISE_MAX, sessionIdProblem } from '../ids.js';
 import { DeadlineHeap, type HeapEntry } from './heap.js';
@@ -116,7 +116,6 @@ interface Lease extends LeaseInfo, HeapEntry {
   live: boolean;
 }
 
-const TOKEN_RE = /^[A-Za-z0-9_-]{1,64}$/;
 const DEFAULT_MAX_SESSIONS = 100_000;
 const NO_SWEEP: SweepStats = Object.freeze({ examined: 0, expired: 0 });
 const DEFAULT_MAX_BLOCKS = 4096;
@@ -276,7 +275,7 @@ export class LeaseTable {
     const acquireId = params.acquireId === undefined || params.acquireId === '' ? undefined : params.acquireId;
     let acquireKey: string | undefined;
     if (acquireId !== undefined) {
-      if (!TOKEN_RE.test(acquireId)) this.#reject('acquire', 'INVALID_ARGUMENT', 'acquire id must be 1-64 characters of [A-Za-z0-9_-]');
+      if (!isToken(acquireId)) this.#reject('acquire', 'INVALID_ARGUMENT', 'acquire id must be 1-64 characters of [A-Za-z0-9_-]');
       acquireKey = `${requesterId}/${acquireId}`;
       if (this.#byAcquire.has(acquireKey)) this.#reject('acquire', 'ALREADY_EXISTS', `acquire id ${acquireId} is already live`);
       if (this.#tombstones.has(acquireKey)) this.#reject('acquire', 'ABORTED', `acquire ${acquireId} was released before it arrived`);
@@ -353,7 +352,7 @@ export class LeaseTable {
       if (problem !== undefined) this.#reject('release', 'INVALID_ARGUMENT', `session id: ${problem}`);
       lease = this.#sessions.get(sessionId);
     } else {
-      if (!TOKEN_RE.test(acquireId)) this.#reject('release', 'INVALID_ARGUMENT', 'acquire id must be 1-64 characters of [A-Za-z0-9_-]');
+      if (!isToken(acquireId)) this.#reject('release', 'INVALID_ARGUMENT', 'acquire id must be 1-64 characters of [A-Za-z0-9_-]');
       const key = `${requesterId}/${acquireId}`;
       lease = this.#byAcquire.get(key);
       if (lease === undefined) this.#tombstone(key, now);
