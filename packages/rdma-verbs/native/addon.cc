@@ -34,6 +34,7 @@
 #include <dlfcn.h>
 #include <fcntl.h>
 #include <poll.h>
+#include <strings.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 
@@ -56,7 +57,7 @@ struct Counters {
   std::atomic<int64_t> completions{0};
 };
 
-static std::string ErrnoText(int err) {
+[[maybe_unused]] static std::string ErrnoText(int err) {  // unused only in the stub build
   char buf[256];
   buf[0] = 0;
   // GNU strerror_r returns char*
@@ -65,6 +66,70 @@ static std::string ErrnoText(int err) {
 }
 
 #ifdef TW_HAVE_VERBS_H
+
+// ---------------------------------------------------------------------------------------
+// Fork safety.
+//
+// Node starts child processes with fork(). On a kernel without copy-on-fork for pinned
+// (DMA) pages, a write by the parent to a registered page after a fork gets a fresh
+// copy-on-write page while the NIC keeps DMAing to the old one: silent data corruption.
+// ibv_fork_init() makes libibverbs madvise(MADV_DONTFORK) every registration so the child
+// never shares them. It must run before any other libibverbs call, and its state is
+// process-wide (one libibverbs per process however many Node environments load this
+// addon), so the decision is made once per process and kept here. This is the one piece
+// of static state in the addon: it mirrors process-wide libibverbs state, not anything
+// owned by an environment.
+struct ForkOutcome {
+  std::string status;  // "unneeded" | "enabled" | "disabled" | "failed"
+  std::string error;   // why, for "disabled" and "failed"
+};
+
+static bool ForkOptOut(std::string* value) {
+  const char* v = getenv("TENSORWIRE_RDMA_FORK_INIT");
+  if (v == nullptr || !(std::strcmp(v, "0") == 0 || strcasecmp(v, "off") == 0)) return false;
+  *value = v;
+  return true;
+}
+
+static const ForkOutcome& DecideFork(int (*forkInit)(), ibv_fork_status (*isForkInitialized)()) {
+  static ForkOutcome outcome;  // process-wide, see above
+  static std::once_flag once;
+  std::call_once(once, [&] {
+    if (isForkInitialized != nullptr) {
+      ibv_fork_status s = isForkInitialized();
+      if (s == IBV_FORK_UNNEEDED) {  // the kernel copies DMA pages on fork
+        outcome.status = "unneeded";
+        return;
+      }
+      if (s == IBV_FORK_ENABLED) {  // someone in this process already called ibv_fork_init
+        outcome.status = "enabled";
+        return;
+      }
+    }
+    std::string optOut;
+    // RDMAV_FORK_SAFE / IBV_FORK_SAFE make libibverbs call ibv_fork_init itself on its
+    // first device scan, so an opt-out here could not hold; report what will be true.
+    bool libRequested = getenv("RDMAV_FORK_SAFE") != nullptr || getenv("IBV_FORK_SAFE") != nullptr;
+    if (ForkOptOut(&optOut) && !libRequested) {
+      outcome.status = "disabled";
+      outcome.error = "TENSORWIRE_RDMA_FORK_INIT=" + optOut;
+      return;
+    }
+    if (forkInit == nullptr) {
+      outcome.status = "failed";
+      outcome.error = "libibverbs.so.1 has no ibv_fork_init@IBVERBS_1.1";
+      return;
+    }
+    int rc = forkInit();  // returns an errno value
+    if (rc == 0) {
+      outcome.status = "enabled";
+    } else {
+      outcome.status = "failed";
+      outcome.error = "ibv_fork_init: " + ErrnoText(rc);
+    }
+  });
+  return outcome;
+}
 
 // ---------------------------------------------------------------------------------------
 // The dlopen'd function table.
@@ -98,6 +163,9 @@ struct Verbs {
   int (*modify_qp)(ibv_qp*, ibv_qp_attr*, int) = nullptr;
   int (*destroy_qp)(ibv_qp*) = nullptr;
   const char* (*wc_status_str)(ibv_wc_status) = nullptr;
+  int (*fork_init)() = nullptr;                        // optional
+  ibv_fork_status (*is_fork_initialized)() = nullptr;  // optional (IBVERBS_1.13)
+  ForkOutcome forkOutcome;                             // copy of the process-wide decision
 
   template <typename F>
   void Sym(F& slot, const char* name, const char* version, bool required) {
@@ -140,11 +208,15 @@ struct Verbs {
     Sym(modify_qp, "ibv_modify_qp", "IBVERBS_1.1", true);
     Sym(destroy_qp, "ibv_destroy_qp", "IBVERBS_1.1", true);
     Sym(wc_status_str, "ibv_wc_status_str", "IBVERBS_1.1", true);
+    Sym(fork_init, "ibv_fork_init", "IBVERBS_1.1", false);
+    Sym(is_fork_initialized, "ibv_is_fork_initialized", "IBVERBS_1.13", false);
     if (!missing.empty()) {
       error = "libibverbs.so.1 lacks required symbols:";
       for (auto& m : missing) error += " " + m;
       return false;
     }
+    // Before any other libibverbs call (every caller goes through Load first).
+    forkOutcome = DecideFork(fork_init, is_fork_initialized);
     return true;
   }
 
@@ -275,7 +347,16 @@ static Napi::Object DescribeContext(Napi::Env env, const Verbs& v, ibv_context* 
 struct MrEntry {
   ibv_mr* mr = nullptr;
   uint64_t length = 0;
+  uint32_t access = 0;              // the ibv_access_flags it was registered with
   Napi::ObjectReference keepAlive;  // the JS ArrayBuffer of host memory, while registered
+};
+
+// A type-2 memory window. rkey is the key of its latest posted bind: for type 2 the
+// consumer picks each bind's key (ibv_inc_rkey of the previous one), and providers do not
+// update mw->rkey on a posted bind, so it is tracked here.
+struct MwEntry {
+  ibv_mw* mw = nullptr;
+  uint32_t rkey = 0;
 };
 
 struct QpEntry {
@@ -306,6 +387,9 @@ class Device : public Napi::ObjectWrap<Device> {
                            InstanceMethod<&Device::QpRts>("qpRts"),
                            InstanceMethod<&Device::QpError>("qpError"),
                            InstanceMethod<&Device::Post>("post"),
+                           InstanceMethod<&Device::AllocMw>("allocMw"),
+                           InstanceMethod<&Device::BindMw>("bindMw"),
+                           InstanceMethod<&Device::DeallocMw>("deallocMw"),
                            InstanceMethod<&Device::Close>("close"),
                            InstanceAccessor<&Device::Name>("name"),
                            InstanceAccessor<&Device::IsOpen>("isOpen"),
@@ -414,7 +498,14 @@ class Device : public Napi::ObjectWrap<Device> {
       counters_->threads--;
     }
     running_ = false;
-    // Queue pairs first: destroying a QP guarantees the NIC no longer touches its buffers.
+    // Memory windows first: deallocating a window invalidates its rkey, so no peer reaches
+    // memory through it, and an MR with windows bound to it cannot be deregistered.
+    for (auto& kv : mws_) {
+      ibv_dealloc_mw(kv.second.mw);
+      counters_->mws--;
+    }
+    mws_.clear();
+    // Then queue pairs: destroying a QP guarantees the NIC no longer touches its buffers.
     for (auto& kv : qps_) {
       v.destroy_qp(kv.second.qp);
       counters_->qps--;
@@ -478,6 +569,7 @@ class Device : public Napi::ObjectWrap<Device> {
   uint32_t nextId_ = 1;
   std::map<uint32_t, MrEntry> mrs_;       // JS thread only
   std::map<uint32_t, QpEntry> qps_;       // JS thread only
+  std::map<uint32_t, MwEntry> mws_;       // JS thread only
   std::mutex mu_;                         // guards cqs_ against the poller
   std::map<uint32_t, ibv_cq*> cqs_;
 
@@ -495,6 +587,16 @@ class Device : public Napi::ObjectWrap<Device> {
   }
 
   static uint32_t Field(const Napi::Object& o, const char* key) { return U32(o.Get(key), key); }
+
+  // A non-negative integer number no larger than 2^53 - 1 (a byte offset or length).
+  static uint64_t SafeIndex(const Napi::Value& v, const char* what) {
+    if (!v.IsNumber()) throw TypedError(v.Env(), "TW_INVALID_INPUT", std::string(what) + " must be a number");
+    double d = v.As<Napi::Number>().DoubleValue();
+    if (!(d >= 0 && d <= 9007199254740991.0) || d != static_cast<double>(static_cast<uint64_t>(d))) {
+      throw TypedError(v.Env(), "TW_INVALID_INPUT", std::string(what) + " must be a non-negative safe integer");
+    }
+    return static_cast<uint64_t>(d);
+  }
 
   void PollLoop() {
     Verbs& v = addon_->verbs;
@@ -615,6 +717,7 @@ class Device : public Napi::ObjectWrap<Device> {
     MrEntry& entry = mrs_[id];
     entry.mr = mr;
     entry.length = len;
+    entry.access = access;
     entry.keepAlive = Napi::Persistent(u8.ArrayBuffer().As<Napi::Object>());
     counters_->mrs++;
     return MrResult(env, id, mr, len);
@@ -647,6 +750,7 @@ class Device : public Napi::ObjectWrap<Device> {
     MrEntry& entry = mrs_[id];
     entry.mr = mr;
     entry.length = static_cast<uint64_t>(len);
+    entry.access = access;
     counters_->mrs++;
     return MrResult(env, id, mr, entry.length);
   }
@@ -914,6 +1018,104 @@ class Device : public Napi::ObjectWrap<Device> {
     return o;
   }
 
+  // allocMw() -> { id, rkey }: a type-2 memory window on this device's PD, unbound.
+  Napi::Value AllocMw(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    CheckOpen(env);
+    errno = 0;
+    ibv_mw* mw = ibv_alloc_mw(pd_, IBV_MW_TYPE_2);  // EOPNOTSUPP when the provider has no windows
+    if (mw == nullptr) {
+      int e = errno;
+      throw TypedError(env, e == ENOMEM ? "TW_RESOURCE_EXHAUSTED" : "TW_BACKEND_UNAVAILABLE", "ibv_alloc_mw: " + ErrnoText(e));
+    }
+    uint32_t id = nextId_++;
+    mws_[id] = MwEntry{mw, mw->rkey};
+    counters_->mws++;
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("id", id);
+    o.Set("rkey", mw->rkey);
+    return o;
+  }
+
+  // bindMw(qpId, mwId, mrId, offset, length, access, wrId: bigint)
+  //   -> { posted, rkey, errno, error? }
+  // Posts one signaled IBV_WR_BIND_MW on the QP binding the window to
+  // [offset, offset + length) of the registration, under a fresh key (ibv_inc_rkey of the
+  // window's current one); the old key stops working once the bind executes. A failed
+  // post is returned, not thrown (ENOMEM means the send queue is full), and leaves the
+  // window's key unchanged; rkey is then the unchanged key.
+  Napi::Value BindMw(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    QpEntry& q = FindQp(env, info[0]);
+    uint32_t mwId = U32(info[1], "mw id");
+    auto mwIt = mws_.find(mwId);
+    if (mwIt == mws_.end()) throw TypedError(env, "TW_INVALID_INPUT", "unknown MW id " + std::to_string(mwId));
+    uint32_t mrId = U32(info[2], "mr id");
+    auto mrIt = mrs_.find(mrId);
+    if (mrIt == mrs_.end()) throw TypedError(env, "TW_INVALID_INPUT", "unknown MR id " + std::to_string(mrId));
+    const MrEntry& m = mrIt->second;
+    uint64_t off = SafeIndex(info[3], "offset");
+    uint64_t len = SafeIndex(info[4], "length");
+    if (len == 0) throw TypedError(env, "TW_INVALID_INPUT", "a memory window needs a positive length");
+    if (off > m.length || len > m.length - off) throw TypedError(env, "TW_INVALID_INPUT", "window range is outside its registration");
+    uint32_t access = U32(info[5], "access");
+    const uint32_t allowed = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
+    if ((access & ~allowed) != 0) {
+      throw TypedError(env, "TW_INVALID_INPUT", "window access may only combine LocalWrite, RemoteWrite, RemoteRead and RemoteAtomic");
+    }
+    if ((m.access & IBV_ACCESS_MW_BIND) == 0) {
+      throw TypedError(env, "TW_INVALID_INPUT", "MR " + std::to_string(mrId) + " was not registered with MwBind access");
+    }
+    if (info.Length() < 7 || !info[6].IsBigInt()) throw TypedError(env, "TW_INVALID_INPUT", "wrId must be a bigint");
+    bool lossless = false;
+    uint64_t wrId = info[6].As<Napi::BigInt>().Uint64Value(&lossless);
+    if (!lossless) throw TypedError(env, "TW_INVALID_INPUT", "wrId must fit in 64 unsigned bits");
+
+    MwEntry& w = mwIt->second;
+    uint32_t newRkey = ibv_inc_rkey(w.rkey);
+    ibv_send_wr wr;
+    std::memset(&wr, 0, sizeof wr);
+    wr.wr_id = wrId;
+    wr.sg_list = nullptr;
+    wr.num_sge = 0;
+    wr.opcode = IBV_WR_BIND_MW;
+    wr.send_flags = IBV_SEND_SIGNALED;
+    wr.next = nullptr;
+    wr.bind_mw.mw = w.mw;
+    wr.bind_mw.rkey = newRkey;
+    wr.bind_mw.bind_info.mr = m.mr;
+    wr.bind_mw.bind_info.addr = static_cast<uint64_t>(reinterpret_cast<uintptr_t>(m.mr->addr)) + off;
+    wr.bind_mw.bind_info.length = len;
+    wr.bind_mw.bind_info.mw_access_flags = access;
+    ibv_send_wr* bad = nullptr;
+    int rc = ibv_post_send(q.qp, &wr, &bad);
+    Napi::Object o = Napi::Object::New(env);
+    if (rc == 0) {
+      w.rkey = newRkey;
+      counters_->postedWrs++;
+    }
+    o.Set("posted", rc == 0);
+    o.Set("rkey", w.rkey);
+    o.Set("errno", rc);
+    if (rc != 0) o.Set("error", "ibv_post_send(BIND_MW): " + ErrnoText(rc));
+    return o;
+  }
+
+  // deallocMw(id) -> false when the id is unknown or the device is closed. Deallocating a
+  // bound type-2 window invalidates its rkey.
+  Napi::Value DeallocMw(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    if (!open_) return Napi::Boolean::New(env, false);
+    uint32_t id = U32(info[0], "mw id");
+    auto it = mws_.find(id);
+    if (it == mws_.end()) return Napi::Boolean::New(env, false);
+    int rc = ibv_dealloc_mw(it->second.mw);
+    if (rc != 0) throw TypedError(env, "TW_BACKEND_UNAVAILABLE", "ibv_dealloc_mw: " + ErrnoText(rc));
+    mws_.erase(it);
+    counters_->mws--;
+    return Napi::Boolean::New(env, true);
+  }
+
   Napi::Value Close(const Napi::CallbackInfo& info) {
     Teardown();
     return info.Env().Undefined();
@@ -954,7 +1156,8 @@ RdmaAddon::~RdmaAddon() {
   while (!liveDevices.empty()) liveDevices.back()->Teardown();
 }
 
-// probe() -> { built, buildReason?, library: { loaded, error? }, dmabuf, deviceList: { ok, count, error? } }
+// probe() -> { built, buildReason?, library: { loaded, error? }, dmabuf,
+//             fork: { status, error? }, deviceList: { ok, count, error? } }
 Napi::Value RdmaAddon::Probe(const Napi::CallbackInfo& info) {
   Napi::Env env = info.Env();
   Napi::Object out = Napi::Object::New(env);
@@ -967,6 +1170,10 @@ Napi::Value RdmaAddon::Probe(const Napi::CallbackInfo& info) {
   out.Set("library", lib);
   out.Set("dmabuf", ok && verbs.reg_dmabuf_mr != nullptr);
   if (ok) {
+    Napi::Object fork = Napi::Object::New(env);
+    fork.Set("status", verbs.forkOutcome.status);
+    if (!verbs.forkOutcome.error.empty()) fork.Set("error", verbs.forkOutcome.error);
+    out.Set("fork", fork);
     Napi::Object dl = Napi::Object::New(env);
     int n = 0;
     errno = 0;

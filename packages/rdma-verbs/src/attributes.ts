@@ -263,3 +263,19 @@ export function unavailableReason(f: AvailabilityFacts): string | undefined {
   }
   return `no active port: ${reasons.join('; ')}`;
 }
+
+export type GrantRequest = 'auto' | 'memory-window' | 'memory-region';
+export type GrantMode = 'memory-window' | 'memory-region';
+
+/**
+ * How grants are scoped on a device: type-2 memory windows bound per connection where the
+ * device has them (and they are not turned off), else one MR per registration.
+ */
+export function grantMode(requested: GrantRequest, type2Supported: boolean): { readonly mode: GrantMode; readonly reason: string } | { readonly error: string } {
+  if (requested === 'memory-region') return { mode: 'memory-region', reason: 'whole-MR rkeys were asked for (grants: memory-region)' };
+  if (type2Supported) {
+    return { mode: 'memory-window', reason: 'the device supports type-2 memory windows: each requester gets windows bound to its own queue pairs' };
+  }
+  if (requested === 'memory-window') return { error: 'grants: memory-window was asked for, but the device does not support type-2 memory windows' };
+  return { mode: 'memory-region', reason: 'the device has no type-2 memory windows: each registration is its own MR, deregistered on revoke' };
+}

@@ -9,9 +9,11 @@ import {
   selectGid,
   selectPort,
   unavailableReason,
+  grantMode,
   lidProblem,
   linkLayerName,
   type Choice,
+  type GrantMode,
   type DeviceRecord,
   type GidEntry,
   type PortRecord,
@@ -105,10 +107,17 @@ export interface RdmaCapabilities {
   /** ibv_reg_dmabuf_mr is exported: CUDA memory can be registered through a dma-buf fd. */
   readonly dmabuf: boolean;
   /**
-   * Type-2 memory windows on the selected device. The transport scopes grants with one MR per
-   * registration (deregistered on revoke); see README "Grants".
+   * Type-2 memory windows on the selected device, and the grants a transport with the default
+   * `grants: 'auto'` uses there: `memory-window` (windows bound to each requester's queue
+   * pairs) or `memory-region` (whole-MR rkeys). See README "Grants".
    */
-  readonly memoryWindows: { readonly type2Supported: boolean; readonly grants: 'whole-mr-rkey'; readonly note: string };
+  readonly memoryWindows: { readonly type2Supported: boolean; readonly grants: GrantMode; readonly note: string };
+  /**
+   * Fork safety of libibverbs in this process (undefined when it did not load): `unneeded`
+   * (the kernel copies DMA pages on fork), `enabled` (ibv_fork_init), `disabled`
+   * (TENSORWIRE_RDMA_FORK_INIT=0) or `failed`. See README "Fork safety".
+   */
+  readonly fork?: { readonly status: 'unneeded' | 'enabled' | 'disabled' | 'failed'; readonly error?: string };
 }
 
 export interface CapabilityOptions {
@@ -135,7 +144,10 @@ export function capabilities(options: CapabilityOptions = {}): RdmaCapabilities 
   const sysfs = existsSync(root);
   const kernel = { sysfs, uverbsDevices: listUverbs() };
   const load = tryLoadNative();
-  const mwNote = 'grants are whole-MR rkeys: each registration is its own MR, deregistered on revoke';
+  const windows = (type2Supported: boolean): RdmaCapabilities['memoryWindows'] => {
+    const m = grantMode('auto', type2Supported) as { mode: GrantMode; reason: string };
+    return { type2Supported, grants: m.mode, note: m.reason };
+  };
   if (!('addon' in load)) {
     const reason = `the native addon could not be loaded: ${load.errors.join('; ')}`;
     return {
@@ -147,7 +159,7 @@ export function capabilities(options: CapabilityOptions = {}): RdmaCapabilities 
       kernel,
       devices: [],
       dmabuf: false,
-      memoryWindows: { type2Supported: false, grants: 'whole-mr-rkey', note: mwNote },
+      memoryWindows: windows(false),
     };
   }
   const probe: NativeProbe = load.addon.probe();
@@ -212,7 +224,8 @@ export function capabilities(options: CapabilityOptions = {}): RdmaCapabilities 
     devices,
     ...(selected !== undefined ? { selected } : {}),
     dmabuf: probe.dmabuf,
-    memoryWindows: { type2Supported: selDev?.memoryWindowType2 === true, grants: 'whole-mr-rkey', note: mwNote },
+    memoryWindows: windows(selDev?.memoryWindowType2 === true),
+    ...(probe.fork !== undefined ? { fork: probe.fork } : {}),
   };
 }
 

@@ -2,6 +2,7 @@ export { RdmaTransport, RdmaConnection, type RdmaTransportOptions, type CudaDmab
 export { capabilities, isAvailable, toDeviceRecord, usablePort, readNumaNode, readGidAttrs, SYSFS_INFINIBAND, type RdmaCapabilities, type CapabilityOptions } from './capabilities.js';
 export * from './attributes.js';
 export * from './wire.js';
+export { WindowLedger, WindowKeyCache, Binding, tokenHex, type WindowKeys, type RefuseCode, type BindRequest } from './windows.js';
 export {
   loadNative,
   tryLoadNative,
@@ -9,6 +10,7 @@ export {
   nativeError,
   Access,
   WcStatus,
+  WcOpcode,
   ADDON_FILE,
   type NativeAddon,
   type NativeDevice,
@@ -17,6 +19,8 @@ export {
   type NativeDeviceInfo,
   type NativePort,
   type NativeMr,
+  type NativeMw,
+  type BindResult,
   type NativeQp,
   type RtrAttributes,
   type RtsAttributes,

@@ -19,6 +19,18 @@ export interface NativeProbe {
   readonly library?: { readonly loaded: boolean; readonly error?: string };
   /** libibverbs exports ibv_reg_dmabuf_mr (rdma-core v34+). */
   readonly dmabuf: boolean;
+  /**
+   * Fork safety, decided once per process when libibverbs is first loaded (present
+   * whenever it loaded). Node forks to spawn children; without copy-on-fork for pinned
+   * pages in the kernel, a parent write to a registered page after a fork lands on a
+   * copy while the NIC keeps DMAing to the original.
+   * - `unneeded`: the kernel copies DMA pages on fork (ibv_is_fork_initialized said so).
+   * - `enabled`: ibv_fork_init() succeeded (or was already in effect, e.g. RDMAV_FORK_SAFE).
+   * - `disabled`: opted out with TENSORWIRE_RDMA_FORK_INIT=0 (or `off`); `error` says so.
+   *   RDMAV_FORK_SAFE / IBV_FORK_SAFE override the opt-out, since libibverbs would enable it anyway.
+   * - `failed`: ibv_fork_init() failed or is missing; `error` says why.
+   */
+  readonly fork?: { readonly status: 'unneeded' | 'enabled' | 'disabled' | 'failed'; readonly error?: string };
   readonly deviceList?: { readonly ok: boolean; readonly count: number; readonly error?: string; readonly names?: readonly string[] };
 }
 
@@ -76,6 +88,23 @@ export interface NativeMr {
   readonly length: number;
 }
 
+/** A type-2 memory window: an id (never reused, never the rkey) and its current rkey. */
+export interface NativeMw {
+  readonly id: number;
+  readonly rkey: number;
+}
+
+/** What `bindMw` returns. A failed post is reported here, not thrown. */
+export interface BindResult {
+  /** The NIC accepted the bind work request; its completion (WcOpcode.BindMw) comes later. */
+  readonly posted: boolean;
+  /** The window's key after this call: the new key when posted, else the unchanged one. */
+  readonly rkey: number;
+  /** ibv_post_send's errno value, 0 when posted (ENOMEM: the send queue is full). */
+  readonly errno: number;
+  readonly error?: string;
+}
+
 export interface NativeQp {
   readonly id: number;
   readonly qpn: number;
@@ -131,6 +160,27 @@ export interface NativeDevice {
   qpError(id: number): void;
   /** 7 entries per work request: op (0 READ, 1 WRITE), wrId, mrId, localOffset, remoteAddr, rkey, length. */
   post(qpId: number, wrs: BigUint64Array): PostResult;
+  /**
+   * Allocate an unbound type-2 memory window on the device's PD. Throws TW_RESOURCE_EXHAUSTED
+   * (ENOMEM) or TW_BACKEND_UNAVAILABLE (e.g. EOPNOTSUPP: the provider has no memory windows).
+   */
+  allocMw(): NativeMw;
+  /**
+   * Post one signaled bind work request on `qpId` that binds window `mwId` to
+   * [offset, offset + length) of registration `mrId` (registered with Access.MwBind),
+   * with `access` a combination of LocalWrite, RemoteWrite, RemoteRead and RemoteAtomic,
+   * under a fresh rkey (the 8 low bits of the previous key, incremented). The previous key
+   * stops working when the bind executes. Bad ids or ranges throw TW_INVALID_INPUT; a
+   * failed post does not throw (see BindResult).
+   */
+  bindMw(qpId: number, mwId: number, mrId: number, offset: number, length: number, access: number, wrId: bigint): BindResult;
+  /**
+   * Deallocate a window, invalidating its rkey if bound. False when the id is unknown or
+   * the device is closed; throws TW_BACKEND_UNAVAILABLE if ibv_dealloc_mw fails. Deallocate
+   * the windows bound to a registration before deregistering it (the verbs refuse an MR
+   * that windows are bound to). close() deallocates every window first.
+   */
+  deallocMw(id: number): boolean;
   close(): void;
 }
 
@@ -226,6 +276,15 @@ export const Access = {
   LocalWrite: 1,
   RemoteWrite: 2,
   RemoteRead: 4,
+  /** Needed on a registration that memory windows are bound to. */
+  MwBind: 16,
+} as const;
+
+/** ibv_wc_opcode values of the send-side completions this package posts. */
+export const WcOpcode = {
+  RdmaWrite: 1,
+  RdmaRead: 2,
+  BindMw: 5,
 } as const;
 
 /** ibv_wc_status values this package treats specially. */

@@ -12,7 +12,7 @@
  *   flushed) before anything is rejected, so memory is never reused while the NIC can still
  *   DMA into it. If flushes do not arrive in time the QPs are destroyed, which also stops DMA.
  */
-import { randomInt } from 'node:crypto';
+import { randomBytes, randomInt } from 'node:crypto';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { networkInterfaces } from 'node:os';
 import {
@@ -47,6 +47,7 @@ import {
   addressVector,
   chooseMtu,
   chooseRdAtomic,
+  grantMode,
   isIpv4MappedGid,
   lidProblem,
   linkLayerName,
@@ -55,6 +56,7 @@ import {
 } from './attributes.js';
 import { capabilities as probeCapabilities, type RdmaCapabilities } from './capabilities.js';
 import { Access, WcStatus, loadNative, nativeError, tryLoadNative, type NativeAddon, type NativeDevice } from './native.js';
+import { tokenHex, WindowKeyCache, WindowLedger, type Binding, type WindowKeys } from './windows.js';
 import {
   FrameReader,
   MAX_QPS_PER_PEER,
@@ -63,6 +65,7 @@ import {
   encodeEndpoint,
   encodeFrame,
   encodeGrant,
+  GRANT_TOKEN_BYTES,
   type ControlMessage,
   type QpSetup,
   type RdmaEndpoint,
@@ -106,6 +109,17 @@ export interface RdmaTransportOptions {
   retireTimeoutMs?: number;
   /** Accept-side handshake deadline. Default 10 s. */
   handshakeTimeoutMs?: number;
+  /**
+   * How remote access is granted (README "Grants"):
+   * - `memory-window`: each registration is an MR without remote access; a requester gets
+   *   type-2 windows bound to its own connection's queue pairs, deallocated on revoke.
+   * - `memory-region`: each registration is its own MR whose rkey opens it on any queue pair;
+   *   revoke deregisters it.
+   * - `auto` (default): `memory-window` where the device supports type-2 windows.
+   */
+  grants?: 'auto' | 'memory-window' | 'memory-region';
+  /** Most grants one connection may hold windows for at once (memory-window mode). Default 1024. */
+  maxWindowGrantsPerConnection?: number;
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
   cudaDmabuf?: (memory: CudaMemory) => CudaDmabufExport;
   logger?: Logger;
@@ -119,6 +133,8 @@ const ACCESS = Access.LocalWrite | Access.RemoteRead | Access.RemoteWrite;
  */
 const MAX_WR_BYTES = 0x40000000;
 const POST_BATCH = 32;
+/** Send-queue slots per QP kept for BIND_MW work requests (so binds never wait behind data). */
+const BIND_SLOTS = 4;
 
 /** A registration's handle: opaque to the engine. */
 class RdmaRegistration {
@@ -128,6 +144,9 @@ class RdmaRegistration {
   readonly addr: bigint;
   readonly rkey: number;
   readonly release: (() => void) | undefined;
+  /** memory-window mode: the grant token peers present to get windows (hex for tables). */
+  token: Uint8Array | undefined;
+  tokenHex: string | undefined;
   revoked = false;
   /** Work requests on the NIC that use this memory. */
   posted = 0;
@@ -169,7 +188,16 @@ interface Pending {
   readonly reg: RdmaRegistration;
   readonly remote: RemoteGrant;
   readonly stream: number;
+  /** The rkey for this stream's queue pair: the MR's, or the window bound to this QP. */
+  rkey: number;
+  /** memory-window grants: the keys it uses; UNBIND marks them revoked. */
+  window: WindowKeys | undefined;
   wrId: number;
+}
+
+interface BindWait {
+  resolve(): void;
+  reject(e: TensorwireError): void;
 }
 
 interface Stream {
@@ -302,6 +330,15 @@ export class RdmaConnection implements TransportConnection {
   #drained: (() => void) | undefined;
   /** Set while retire() waits for the peer's 'close'. */
   #peerDrained: (() => void) | undefined;
+  /** Requester side: rkeys of the peer's memory-window grants on this connection. */
+  readonly #keys: WindowKeyCache;
+  /** Holder side: BIND_MW work requests on the NIC, by wrId. */
+  readonly #binds = new Map<number, BindWait>();
+  /** Holder side: every window allocated for this connection and not yet deallocated. */
+  readonly #windowIds = new Set<number>();
+  /** Holder side: BINDs served at once (each takes one send-queue slot per QP). */
+  #bindSlots = BIND_SLOTS;
+  readonly #bindWaiters: (() => void)[] = [];
 
   /** @internal */
   constructor(owner: RdmaTransport, device: NativeDevice, native: NativeAddon, control: Control, peer: NodeIdentity, initiator: string, q: Queues) {
@@ -314,6 +351,7 @@ export class RdmaConnection implements TransportConnection {
     this.streams = q.qps.length;
     this.#cqId = q.cqId;
     this.#streams = q.qps.map((x) => ({ qpId: x.id, qpn: x.qpn, maxSendWr: x.maxSendWr, inflight: new Map(), queue: [] }));
+    this.#keys = new WindowKeyCache(this.streams, (requestId, token) => control.send({ type: 'bind', requestId, token }));
     control.onMessage((m) => this.#onControl(m));
     control.onFailure((e) => {
       if (this.#state === 'open' || this.#state === 'retiring') {
@@ -326,9 +364,19 @@ export class RdmaConnection implements TransportConnection {
     return this.#state === 'open';
   }
 
-  /** Work requests on the NIC right now (all streams). */
+  /** Work requests on the NIC right now (all streams, window binds included). */
   get outstanding(): number {
-    return this.#byWr.size;
+    return this.#byWr.size + this.#binds.size;
+  }
+
+  /** Memory windows this side holds for the peer (holder side, memory-window grants). */
+  get windows(): number {
+    return this.#windowIds.size;
+  }
+
+  /** Grants of the peer whose window rkeys this side has cached (requester side). */
+  get cachedGrants(): number {
+    return this.#keys.size;
   }
 
   onClose(listener: (error: TensorwireError | undefined) => void): void {
@@ -374,7 +422,7 @@ export class RdmaConnection implements TransportConnection {
           });
         }
         if (c.length > MAX_WR_BYTES) throw new InvalidInputError(`chunk ${i}: ${c.length} bytes exceeds one work request`, { details: { field: 'length' } });
-        pendings.push({ op: undefined as unknown as Op, chunk: c, reg, remote: g, stream, wrId: 0 });
+        pendings.push({ op: undefined as unknown as Op, chunk: c, reg, remote: g, stream, rkey: g.grant === 'mr' ? g.rkey : 0, window: undefined, wrId: 0 });
       }
     } catch (e) {
       return Promise.reject(toTensorwireError(e, InvalidInputError));
@@ -388,7 +436,7 @@ export class RdmaConnection implements TransportConnection {
         total: pendings.length,
         done: 0,
         posted: 0,
-        queued: pendings.length,
+        queued: 0,
         error: undefined,
         settled: false,
         signal: options.signal,
@@ -402,8 +450,47 @@ export class RdmaConnection implements TransportConnection {
       options.signal.addEventListener('abort', onAbort, { once: true });
       this.#ops.add(op);
       const s = this.#streams[stream] as Stream;
-      for (const p of pendings) s.queue.push({ ...p, op });
-      this.#pump(s);
+      const start = (keys: ReadonlyMap<string, WindowKeys>): void => {
+        if (op.settled) return;
+        if (op.error !== undefined || (this.#state !== 'open' && this.#state !== 'retiring')) {
+          op.error ??= this.#closeError ?? new SessionInvalidatedError(`rdma connection to ${this.peer.nodeId} closed before the transfer started`);
+          this.#maybeSettle(op);
+          return;
+        }
+        for (const p of pendings) {
+          if (p.remote.grant === 'window') {
+            const k = keys.get(tokenHex(p.remote.token)) as WindowKeys;
+            p.window = k;
+            p.rkey = k.rkeys[stream] as number;
+          }
+          s.queue.push({ ...p, op });
+        }
+        op.queued = pendings.length;
+        this.#pump(s);
+      };
+      // Memory-window grants need this connection's rkeys first (one BIND per grant, cached).
+      // Nothing is posted until every key is here, so a refusal fails the transfer cleanly.
+      const keys = new Map<string, WindowKeys>();
+      const waits: Promise<unknown>[] = [];
+      for (const p of pendings) {
+        if (p.remote.grant !== 'window') continue;
+        const hex = tokenHex(p.remote.token);
+        if (keys.has(hex)) continue;
+        const k = this.#keys.get(p.remote.token);
+        if (k instanceof Promise) waits.push(k.then((v) => keys.set(hex, v)));
+        else keys.set(hex, k);
+      }
+      if (waits.length === 0) start(keys);
+      else {
+        Promise.all(waits).then(
+          () => start(keys),
+          (e: unknown) => {
+            if (op.settled) return;
+            op.error ??= toTensorwireError(e);
+            this.#maybeSettle(op);
+          },
+        );
+      }
     });
   }
 
@@ -424,6 +511,13 @@ export class RdmaConnection implements TransportConnection {
           this.#maybeSettle(p.op);
           continue;
         }
+        if (p.window?.revoked === true) {
+          // The holder revoked the grant (UNBIND): its windows are gone, a READ would fail on the NIC.
+          p.op.error = new RemoteRejectedError(`${this.peer.nodeId} revoked the grant before the transfer reached it`, { details: { remoteCode: 'grant-revoked' } });
+          this.#dropQueued(p.op);
+          this.#maybeSettle(p.op);
+          continue;
+        }
         batch.push(p);
       }
       if (batch.length === 0) continue;
@@ -438,7 +532,7 @@ export class RdmaConnection implements TransportConnection {
             BigInt(p.reg.mrId),
             BigInt(c.localOffset),
             p.remote.addr + BigInt(c.remoteOffset),
-            BigInt(p.remote.rkey),
+            BigInt(p.rkey),
             BigInt(c.length),
           ],
           i * 7,
@@ -489,6 +583,24 @@ export class RdmaConnection implements TransportConnection {
 
   /** The device's poller delivered a completion for this connection's CQ. */
   onCompletion(wrId: number, status: number, vendorErr: number): void {
+    const bind = this.#binds.get(wrId);
+    if (bind) {
+      this.#binds.delete(wrId);
+      if (status === WcStatus.Success) bind.resolve();
+      else {
+        const err =
+          status === WcStatus.WrFlushErr
+            ? (this.#closeError ?? new ConnectionBrokenError(`window bind flushed: the queue pair to ${this.peer.nodeId} is in error`))
+            : wcError(status, vendorErr, this.#native, this.peer.nodeId);
+        bind.reject(err);
+        // A failed work request leaves the RC QP in ERR: the connection is done.
+        if (this.#state === 'open' || this.#state === 'retiring') {
+          void this.#shutdown(new ConnectionBrokenError(`binding a memory window for ${this.peer.nodeId} failed: ${err.message}`, { cause: err }), undefined);
+        }
+      }
+      if (this.outstanding === 0) this.#drained?.();
+      return;
+    }
     const p = this.#byWr.get(wrId);
     if (!p) return;
     this.#byWr.delete(wrId);
@@ -517,7 +629,7 @@ export class RdmaConnection implements TransportConnection {
       void this.#shutdown(new ConnectionBrokenError(`queue pair to ${this.peer.nodeId} failed: ${err.message}`, { cause: err }), undefined);
     }
     this.#maybeSettle(p.op);
-    if (this.#byWr.size === 0) this.#drained?.();
+    if (this.outstanding === 0) this.#drained?.();
     if (this.#state === 'open' || this.#state === 'retiring') this.#pump(s);
   }
 
@@ -547,6 +659,19 @@ export class RdmaConnection implements TransportConnection {
   }
 
   #onControl(m: ControlMessage): void {
+    if (m.type === 'bind') {
+      void this.#serveBind(m.requestId, m.token);
+      return;
+    }
+    if (m.type === 'bound' || m.type === 'refuse') {
+      const problem = m.type === 'bound' ? this.#keys.onBound(m.requestId, m.rkeys) : this.#keys.onRefused(m.requestId, m.code, m.message);
+      if (problem) void this.#shutdown(problem, undefined);
+      return;
+    }
+    if (m.type === 'unbind') {
+      this.#keys.onUnbind(m.token);
+      return;
+    }
     if (m.type === 'retire') {
       this.#peerRetiring = true;
       for (const l of this.#retireListeners.splice(0)) l();
@@ -565,6 +690,102 @@ export class RdmaConnection implements TransportConnection {
     } else {
       void this.#shutdown(new ConnectionBrokenError(`unexpected ${m.type} message from ${this.peer.nodeId}`), undefined);
     }
+  }
+
+  /**
+   * Holder side of BIND: bind one type-2 window per queue pair of this connection to the
+   * registration behind `token`, and answer with their rkeys, or refuse with a reason.
+   */
+  async #serveBind(requestId: number, token: Uint8Array): Promise<void> {
+    const refuse = (code: string, message: string): void => this.#control.send({ type: 'refuse', requestId, code, message });
+    if (this.#state !== 'open' && this.#state !== 'retiring') return refuse('closing', 'the connection is closing');
+    const ledger = this.#owner.windowLedger;
+    if (!ledger) return refuse('unknown-grant', 'this node does not grant memory windows');
+    const r = ledger.request(this, tokenHex(token));
+    if (r.kind === 'refused') return refuse(r.code, r.message);
+    const b = r.binding;
+    if (r.kind === 'existing') {
+      await b.settled;
+      if (b.state === 'bound' && b.rkeys) this.#control.send({ type: 'bound', requestId, rkeys: b.rkeys });
+      else refuse('unknown-grant', 'the grant was revoked');
+      return;
+    }
+    const reg = r.grant as RdmaRegistration;
+    if (this.#bindSlots === 0) await new Promise<void>((resolve) => this.#bindWaiters.push(resolve));
+    this.#bindSlots--;
+    try {
+      const rkeys = await this.#bindWindows(b, reg);
+      if (ledger.complete(b, rkeys)) {
+        this.#control.send({ type: 'bound', requestId, rkeys });
+      } else {
+        this.#deallocWindows(b.windows);
+        b.finish();
+        refuse('unknown-grant', 'the grant was revoked while its windows were being bound');
+      }
+    } catch (e) {
+      this.#deallocWindows(b.windows);
+      ledger.fail(b);
+      refuse('bind-failed', toTensorwireError(e).message);
+    } finally {
+      this.#bindSlots++;
+      this.#bindWaiters.shift()?.();
+    }
+  }
+
+  /** Allocate and bind one window per QP; resolves with their rkeys once every bind completed. */
+  async #bindWindows(b: Binding<RdmaConnection>, reg: RdmaRegistration): Promise<number[]> {
+    if (this.#state !== 'open' && this.#state !== 'retiring') throw new ClosedError('the connection is closing');
+    if (reg.revoked) throw new RemoteRejectedError('the grant was revoked');
+    const rkeys: number[] = [];
+    const waits: Promise<void>[] = [];
+    let failure: TensorwireError | undefined;
+    for (const s of this.#streams) {
+      try {
+        const mw = this.#device.allocMw();
+        this.#windowIds.add(mw.id);
+        b.windows.push(mw.id);
+        const wrId = this.#nextWrId++;
+        const done = new Promise<void>((resolve, reject) => this.#binds.set(wrId, { resolve, reject }));
+        const r = this.#device.bindMw(s.qpId, mw.id, reg.mrId, 0, reg.length, Access.RemoteRead | Access.RemoteWrite, BigInt(wrId));
+        if (!r.posted) {
+          this.#binds.delete(wrId);
+          failure =
+            r.errno === 12
+              ? new ResourceExhaustedError(`send queue full while binding a window: ${r.error ?? ''}`)
+              : new ConnectionBrokenError(`binding a window for ${this.peer.nodeId} failed: ${r.error ?? `errno ${r.errno}`}`);
+          break;
+        }
+        rkeys.push(r.rkey);
+        waits.push(done);
+      } catch (e) {
+        failure = nativeError(e, 'binding a memory window');
+        break;
+      }
+    }
+    // Binds already on the NIC finish (or flush) before their windows may be deallocated.
+    const settled = await Promise.allSettled(waits);
+    const rejected = settled.find((x): x is PromiseRejectedResult => x.status === 'rejected');
+    if (failure) throw failure;
+    if (rejected) throw toTensorwireError(rejected.reason);
+    return rkeys;
+  }
+
+  /** Deallocate windows this connection holds (idempotent per id): their rkeys stop working. */
+  #deallocWindows(ids: readonly number[]): void {
+    for (const id of ids) {
+      if (!this.#windowIds.delete(id)) continue;
+      try {
+        this.#device.deallocMw(id);
+      } catch (e) {
+        this.#owner.logger.warn('rdma: ibv_dealloc_mw failed', { error: String(e) });
+      }
+    }
+  }
+
+  /** @internal The holder revoked a grant this connection had windows for. */
+  releaseBinding(b: Binding<RdmaConnection>): void {
+    this.#deallocWindows(b.windows);
+    this.#control.send({ type: 'unbind', token: new Uint8Array(Buffer.from(b.token, 'hex')) });
   }
 
   /**
@@ -630,7 +851,10 @@ export class RdmaConnection implements TransportConnection {
         this.#dropQueued(op);
       }
       for (const s of this.#streams) s.queue = [];
-      if (this.#byWr.size > 0) {
+      this.#keys.failAll(failWith);
+      // Bindings this connection had are gone with it; their windows are deallocated below.
+      this.#owner.windowLedger?.dropConnection(this);
+      if (this.outstanding > 0) {
         // Invariant 6: move every QP to ERR and wait until each outstanding WR has flushed.
         for (const s of this.#streams) {
           try {
@@ -645,12 +869,16 @@ export class RdmaConnection implements TransportConnection {
             clearTimeout(timer);
             resolve();
           };
-          if (this.#byWr.size === 0) this.#drained();
+          if (this.outstanding === 0) this.#drained();
         });
-        if (this.#byWr.size > 0) {
-          this.#owner.logger.warn('rdma: flushes did not all arrive; destroying the queue pairs stops DMA', { peer: this.peer.nodeId, outstanding: this.#byWr.size });
+        if (this.outstanding > 0) {
+          this.#owner.logger.warn('rdma: flushes did not all arrive; destroying the queue pairs stops DMA', { peer: this.peer.nodeId, outstanding: this.outstanding });
         }
       }
+      const flushed = this.outstanding === 0;
+      // Windows bound to these QPs: deallocated before the QPs go when every bind has
+      // completed, after them otherwise (a bind still on the NIC dies with its QP).
+      if (flushed) this.#deallocWindows([...this.#windowIds]);
       // Destroying the QPs guarantees the NIC no longer touches any buffer they referenced.
       for (const s of this.#streams) {
         try {
@@ -659,6 +887,10 @@ export class RdmaConnection implements TransportConnection {
           this.#owner.logger.warn('rdma: ibv_destroy_qp failed', { error: String(e) });
         }
       }
+      const closed = new ConnectionBrokenError(`rdma connection to ${this.peer.nodeId} closed before the window bind completed`);
+      for (const w of this.#binds.values()) w.reject(closed);
+      this.#binds.clear();
+      if (!flushed) this.#deallocWindows([...this.#windowIds]);
       for (const p of this.#byWr.values()) {
         p.reg.posted--;
         if (p.reg.posted === 0) for (const f of p.reg.idle.splice(0)) f();
@@ -715,6 +947,8 @@ export class RdmaTransport implements Transport {
   #server: Server | undefined;
   #endpoint: Uint8Array | undefined;
   #maxSendWr = 128;
+  #grantMode: 'memory-window' | 'memory-region' | undefined;
+  #ledger: WindowLedger<RdmaConnection, RdmaRegistration> | undefined;
   readonly #registrations = new Set<RdmaRegistration>();
   readonly #connections = new Map<string, Set<RdmaConnection>>(); // by peer identity
   readonly #cqRoutes = new Map<number, RdmaConnection>();
@@ -730,6 +964,14 @@ export class RdmaTransport implements Transport {
       throw new InvalidInputError(`queuePairsPerPeer must be 1..${MAX_QPS_PER_PEER}`, { details: { field: 'queuePairsPerPeer' } });
     }
     this.queuePairsPerPeer = qps;
+    const grants = options.grants ?? 'auto';
+    if (grants !== 'auto' && grants !== 'memory-window' && grants !== 'memory-region') {
+      throw new InvalidInputError(`grants must be auto, memory-window or memory-region, not ${JSON.stringify(grants)}`, { details: { field: 'grants' } });
+    }
+    const limit = options.maxWindowGrantsPerConnection ?? 1024;
+    if (!Number.isInteger(limit) || limit < 1) {
+      throw new InvalidInputError('maxWindowGrantsPerConnection must be a positive integer', { details: { field: 'maxWindowGrantsPerConnection' } });
+    }
     this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
     this.retireTimeoutMs = options.retireTimeoutMs ?? 30_000;
     const load = tryLoadNative();
@@ -746,6 +988,19 @@ export class RdmaTransport implements Transport {
       maxStreams: qps,
       maxChunkBytes: Math.min(options.maxChunkBytes ?? 64 * 1024 * 1024, MAX_WR_BYTES),
     };
+  }
+
+  /**
+   * How this transport grants remote access, decided at start (undefined before):
+   * `memory-window` (type-2 windows bound per connection) or `memory-region` (whole-MR rkeys).
+   */
+  get grantMode(): 'memory-window' | 'memory-region' | undefined {
+    return this.#grantMode;
+  }
+
+  /** @internal The holder's window table (memory-window mode only). */
+  get windowLedger(): WindowLedger<RdmaConnection, RdmaRegistration> | undefined {
+    return this.#ledger;
   }
 
   /** What discovery found when the transport started (undefined before start). */
@@ -774,13 +1029,18 @@ export class RdmaTransport implements Transport {
     const port = record.ports.find((p) => p.port === sel.port);
     if (!port) throw new BackendUnavailableError(`rdma: port ${sel.port} vanished from ${sel.device}`);
     this.#record = record;
+    const mode = grantMode(this.#options.grants ?? 'auto', record.memoryWindowType2);
+    if ('error' in mode) throw new BackendUnavailableError(`rdma on ${sel.device}: ${mode.error}`);
+    this.#grantMode = mode.mode;
+    if (mode.mode === 'memory-window') this.#ledger = new WindowLedger(this.#options.maxWindowGrantsPerConnection ?? 1024);
     this.#native = loadNative();
     try {
       this.#device = new this.#native.Device(sel.device, (t) => this.#onCompletions(t));
     } catch (e) {
       throw nativeError(e, `open ${sel.device}`);
     }
-    this.#maxSendWr = Math.max(1, Math.min(this.#options.maxSendWr ?? 128, record.maxQpWr || 128));
+    // BIND_SLOTS more are asked for at QP creation, for window binds.
+    this.#maxSendWr = Math.max(1, Math.min(this.#options.maxSendWr ?? 128, (record.maxQpWr || 128 + BIND_SLOTS) - BIND_SLOTS));
     this.#local = { port: port.port, linkLayer: port.linkLayer, lid: port.lid, gid: sel.gid, gidIndex: sel.gidIndex, activeMtu: port.activeMtu };
     const server = createServer((socket) => this.#accept(socket));
     this.#server = server;
@@ -803,7 +1063,15 @@ export class RdmaTransport implements Transport {
       gid: sel.gid,
       activeMtu: port.activeMtu,
     });
-    this.logger.info('rdma transport started', { device: sel.device, port: sel.port, gidIndex: sel.gidIndex, linkLayer: sel.linkLayer, numaNode: sel.numaNode });
+    this.logger.info('rdma transport started', {
+      device: sel.device,
+      port: sel.port,
+      gidIndex: sel.gidIndex,
+      linkLayer: sel.linkLayer,
+      numaNode: sel.numaNode,
+      grants: mode.mode,
+      grantsWhy: mode.reason,
+    });
   }
 
   #advertiseHost(gid: string): string {
@@ -855,7 +1123,7 @@ export class RdmaTransport implements Transport {
         throw new InvalidInputError('host memory must be a non-empty Uint8Array', { details: { field: 'buffer' } });
       }
       try {
-        const mr = device.regHost(memory.buffer, ACCESS);
+        const mr = device.regHost(memory.buffer, this.#mrAccess());
         reg = new RdmaRegistration(this, mr.id, mr.length, mr.addr, mr.rkey);
       } catch (e) {
         throw nativeError(e, 'ibv_reg_mr');
@@ -868,7 +1136,7 @@ export class RdmaTransport implements Transport {
       }
       const exp = this.#options.cudaDmabuf(memory);
       try {
-        const mr = device.regDmabuf(exp.fd, exp.offset, memory.byteLength, memory.pointer, ACCESS);
+        const mr = device.regDmabuf(exp.fd, exp.offset, memory.byteLength, memory.pointer, this.#mrAccess());
         reg = new RdmaRegistration(this, mr.id, mr.length, mr.addr, mr.rkey, exp.release?.bind(exp));
       } catch (e) {
         exp.release?.();
@@ -878,7 +1146,27 @@ export class RdmaTransport implements Transport {
       throw new InvalidInputError(`unsupported memory kind ${JSON.stringify((memory as { kind: unknown }).kind)}`, { details: { field: 'kind' } });
     }
     this.#registrations.add(reg);
+    if (this.#ledger) {
+      const token = new Uint8Array(randomBytes(GRANT_TOKEN_BYTES));
+      reg.token = token;
+      reg.tokenHex = tokenHex(token);
+      this.#ledger.addGrant(reg.tokenHex, reg);
+      return { handle: reg, payload: encodeGrant({ grant: 'window', addr: reg.addr, length: reg.length, token }) };
+    }
     return { handle: reg, payload: encodeGrant({ grant: 'mr', addr: reg.addr, length: reg.length, rkey: reg.rkey }) };
+  }
+
+  /**
+   * MR access flags. In memory-window mode the MR itself has no remote access (its rkey opens
+   * nothing); windows bound on it carry the remote rights.
+   */
+  #mrAccess(): number {
+    return this.#grantMode === 'memory-window' ? Access.LocalWrite | Access.MwBind : ACCESS;
+  }
+
+  /** QP access flags: remote READ/WRITE (through the MR or a window), and window binds. */
+  #qpAccess(): number {
+    return this.#grantMode === 'memory-window' ? ACCESS | Access.MwBind : ACCESS;
   }
 
   async revoke(handle: object): Promise<void> {
@@ -887,6 +1175,16 @@ export class RdmaTransport implements Transport {
     }
     if (handle.revoked) return;
     handle.revoked = true;
+    if (this.#ledger && handle.tokenHex !== undefined) {
+      // No new windows for it; deallocate the bound ones (remote access fails from here on,
+      // and each requester hears UNBIND); wait for binds still on the NIC to settle.
+      const pending: Promise<void>[] = [];
+      for (const b of this.#ledger.revokeGrant(handle.tokenHex)) {
+        if (b.state === 'bound') b.conn.releaseBinding(b);
+        else pending.push(b.settled);
+      }
+      await Promise.all(pending);
+    }
     // Nothing new is posted for it (queued work fails); wait for what is on the NIC.
     if (handle.posted > 0) await new Promise<void>((r) => handle.idle.push(r));
     this.#deregister(handle);
@@ -930,11 +1228,13 @@ export class RdmaTransport implements Transport {
     let cqId = 0;
     const qps: Queues['qps'] = [];
     try {
-      cqId = device.createCq(count * this.#maxSendWr + 16);
+      cqId = device.createCq(count * (this.#maxSendWr + BIND_SLOTS) + 16);
       for (let i = 0; i < count; i++) {
-        const qp = device.createQp(cqId, this.#maxSendWr);
-        qps.push({ id: qp.id, qpn: qp.qpn, maxSendWr: Math.min(qp.maxSendWr, this.#maxSendWr), psn: randomInt(0, 0x1000000) });
-        device.qpInit(qp.id, local.port, ACCESS);
+        const qp = device.createQp(cqId, this.#maxSendWr + BIND_SLOTS);
+        // Data work requests get what the QP holds less the bind slots.
+        const room = Math.max(1, Math.min(qp.maxSendWr - BIND_SLOTS, this.#maxSendWr));
+        qps.push({ id: qp.id, qpn: qp.qpn, maxSendWr: room, psn: randomInt(0, 0x1000000) });
+        device.qpInit(qp.id, local.port, this.#qpAccess());
       }
       return { cqId, qps };
     } catch (e) {
@@ -1181,6 +1481,7 @@ export class RdmaTransport implements Transport {
       await Promise.allSettled(conns.map((c) => c.close(new ClosedError('rdma transport closed'))));
       for (const reg of [...this.#registrations]) {
         reg.revoked = true;
+        if (reg.tokenHex !== undefined) this.#ledger?.revokeGrant(reg.tokenHex);
         this.#deregister(reg);
       }
       this.#device?.close();

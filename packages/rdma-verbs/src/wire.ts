@@ -7,13 +7,20 @@
  *   | u16 lid | 16 bytes gid | u8 activeMtu (ibv_mtu)
  *
  * Descriptor payload (the rdma part of a memory descriptor):
- *   "RVD" u8 version=1 | u8 grant (0 = whole-MR rkey) | u64 addr | u64 length | u32 rkey
+ *   "RVD" u8 version=1 | u8 grant | u64 addr | u64 length | grant body
+ *     grant 0, whole-MR rkey:   u32 rkey
+ *     grant 1, memory window:   16 bytes grant token (the requester asks the holder to bind
+ *                               type-2 windows for it on its connection: BIND below)
  *
  * Control frames on the out-of-band TCP socket: u32 length (≤ MAX_FRAME) | u8 type | body
  *   HELLO  (1): "RVH" u8 version=1 | setup | str8 targetNodeId | str8 targetIncarnation
  *   ACCEPT (2): "RVH" u8 version=1 | setup
  *   READY  (3), RETIRE (5), CLOSE (6): empty
  *   REJECT (4): str8 code | blob16 utf-8 message
+ *   BIND   (7): u32 requestId | 16 bytes grant token      — requester → holder
+ *   BOUND  (8): u32 requestId | u8 count | count × u32 rkey — one window per queue pair, in order
+ *   REFUSE (9): u32 requestId | str8 code | blob16 utf-8 message
+ *   UNBIND (10): 16 bytes grant token                      — holder → requester: revoked
  *   setup: str8 nodeId | str8 incarnation | str8 hostId | u8 linkLayer | u16 lid | 16 bytes gid
  *          | u8 activeMtu | u8 initiatorDepth | u8 responderResources | u8 qpCount
  *          | qpCount × (u32 qpn, u32 psn)      — qpn and psn are 24-bit
@@ -36,12 +43,29 @@ export interface RdmaEndpoint {
   readonly activeMtu: number;
 }
 
-export interface RemoteGrant {
+/** Size of a memory-window grant token: 128 random bits. */
+export const GRANT_TOKEN_BYTES = 16;
+
+/** A whole-MR grant: the rkey opens the registration on any queue pair. */
+export interface MrGrant {
   readonly grant: 'mr';
   readonly addr: bigint;
   readonly length: number;
   readonly rkey: number;
 }
+
+/**
+ * A memory-window grant: no rkey travels in the descriptor. The requester presents the token
+ * on its own connection and the holder binds type-2 windows to that connection's queue pairs.
+ */
+export interface WindowGrant {
+  readonly grant: 'window';
+  readonly addr: bigint;
+  readonly length: number;
+  readonly token: Uint8Array;
+}
+
+export type RemoteGrant = MrGrant | WindowGrant;
 
 export interface QpAddress {
   readonly qpn: number;
@@ -65,9 +89,13 @@ export type ControlMessage =
   | { readonly type: 'ready' }
   | { readonly type: 'reject'; readonly code: string; readonly message: string }
   | { readonly type: 'retire' }
-  | { readonly type: 'close' };
+  | { readonly type: 'close' }
+  | { readonly type: 'bind'; readonly requestId: number; readonly token: Uint8Array }
+  | { readonly type: 'bound'; readonly requestId: number; readonly rkeys: readonly number[] }
+  | { readonly type: 'refuse'; readonly requestId: number; readonly code: string; readonly message: string }
+  | { readonly type: 'unbind'; readonly token: Uint8Array };
 
-const TYPE_CODES = { hello: 1, accept: 2, ready: 3, reject: 4, retire: 5, close: 6 } as const;
+const TYPE_CODES = { hello: 1, accept: 2, ready: 3, reject: 4, retire: 5, close: 6, bind: 7, bound: 8, refuse: 9, unbind: 10 } as const;
 
 function bad(what: string, field: string, message: string): never {
   throw new InvalidInputError(`${what}: ${message}`, { details: { field } });
@@ -141,16 +169,31 @@ export function decodeEndpoint(bytes: Uint8Array): RdmaEndpoint {
 
 // ---------------------------------------------------------------------------- descriptor
 
+/** Payload size of a whole-MR grant. */
 export const DESCRIPTOR_PAYLOAD_BYTES = 25;
+/** Payload size of a memory-window grant. */
+export const WINDOW_DESCRIPTOR_PAYLOAD_BYTES = 37;
+
+function checkGrantToken(t: Uint8Array, what: string): void {
+  if (!(t instanceof Uint8Array) || t.length !== GRANT_TOKEN_BYTES) bad(what, 'token', `grant token must be ${GRANT_TOKEN_BYTES} bytes`);
+}
 
 export function encodeGrant(g: RemoteGrant): Uint8Array {
   const what = 'rdma descriptor';
   if (!Number.isSafeInteger(g.length) || g.length <= 0) bad(what, 'length', 'length must be a positive safe integer');
-  if (!Number.isInteger(g.rkey) || g.rkey < 0 || g.rkey > 0xffffffff) bad(what, 'rkey', 'rkey must be 32-bit');
   if (g.addr < 0n || g.addr + BigInt(g.length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
-  const w = new ByteWriter(DESCRIPTOR_PAYLOAD_BYTES);
+  if (g.grant === 'mr') {
+    if (!Number.isInteger(g.rkey) || g.rkey < 0 || g.rkey > 0xffffffff) bad(what, 'rkey', 'rkey must be 32-bit');
+    const w = new ByteWriter(DESCRIPTOR_PAYLOAD_BYTES);
+    writeMagic(w, 'RVD');
+    w.u8(0).u64(g.addr).u64(g.length).u32(g.rkey);
+    return w.finish();
+  }
+  if (g.grant !== 'window') bad(what, 'grant', `unknown grant ${String((g as { grant: unknown }).grant)}`);
+  checkGrantToken(g.token, what);
+  const w = new ByteWriter(WINDOW_DESCRIPTOR_PAYLOAD_BYTES);
   writeMagic(w, 'RVD');
-  w.u8(0).u64(g.addr).u64(g.length).u32(g.rkey);
+  w.u8(1).u64(g.addr).u64(g.length).bytes(g.token);
   return w.finish();
 }
 
@@ -160,17 +203,22 @@ export function decodeGrant(bytes: Uint8Array, byteLength?: number): RemoteGrant
   const r = new ByteReader(bytes, what);
   magic(r, 'RVD', what);
   const kind = r.u8('grant');
-  if (kind !== 0) bad(what, 'grant', `grant kind ${kind} is not supported`);
+  if (kind !== 0 && kind !== 1) bad(what, 'grant', `grant kind ${kind} is not supported`);
   const addr = r.u64('addr');
   const length = r.safeU64('length');
   if (length === 0) bad(what, 'length', 'length is 0');
   if (addr + BigInt(length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
-  const rkey = r.u32('rkey');
+  let g: RemoteGrant;
+  if (kind === 0) {
+    g = { grant: 'mr', addr, length, rkey: r.u32('rkey') };
+  } else {
+    g = { grant: 'window', addr, length, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+  }
   r.end();
   if (byteLength !== undefined && byteLength !== length) {
     bad(what, 'length', `registration covers ${length} bytes but the descriptor claims ${byteLength}`);
   }
-  return { grant: 'mr', addr, length, rkey };
+  return g;
 }
 
 // ---------------------------------------------------------------------------- control frames
@@ -254,12 +302,47 @@ export function encodeFrame(m: ControlMessage): Uint8Array {
     case 'reject':
       w.str8(m.code.slice(0, 64)).blob16(new TextEncoder().encode(m.message.slice(0, 1000)));
       break;
+    case 'bind':
+      checkRequestId(m.requestId, what);
+      checkGrantToken(m.token, what);
+      w.u32(m.requestId).bytes(m.token);
+      break;
+    case 'bound':
+      checkRequestId(m.requestId, what);
+      if (m.rkeys.length < 1 || m.rkeys.length > MAX_QPS_PER_PEER) bad(what, 'rkeys', `1..${MAX_QPS_PER_PEER} rkeys, got ${m.rkeys.length}`);
+      w.u32(m.requestId).u8(m.rkeys.length);
+      for (const k of m.rkeys) {
+        if (!Number.isInteger(k) || k < 0 || k > 0xffffffff) bad(what, 'rkeys', 'rkey must be 32-bit');
+        w.u32(k);
+      }
+      break;
+    case 'refuse':
+      checkRequestId(m.requestId, what);
+      w.u32(m.requestId).str8(m.code.slice(0, 64)).blob16(new TextEncoder().encode(m.message.slice(0, 1000)));
+      break;
+    case 'unbind':
+      checkGrantToken(m.token, what);
+      w.bytes(m.token);
+      break;
     default:
       break;
   }
   const body = w.finish();
   if (body.length > MAX_FRAME) bad(what, 'length', 'message exceeds the frame limit');
   return new ByteWriter(body.length + 4).blob32(body).finish();
+}
+
+function checkRequestId(id: number, what: string): void {
+  if (!Number.isInteger(id) || id < 0 || id > 0xffffffff) bad(what, 'requestId', 'request id must be 32-bit');
+}
+
+function readText(r: ByteReader, what: string): string {
+  const bytes = r.blob16('message');
+  try {
+    return new TextDecoder('utf-8', { fatal: true }).decode(bytes);
+  } catch {
+    return bad(what, 'message', 'message is not UTF-8');
+  }
 }
 
 /** Decode a frame body (without its length prefix). */
@@ -287,14 +370,7 @@ export function decodeMessage(body: Uint8Array): ControlMessage {
       break;
     case 4: {
       const code = r.str8('code');
-      let message: string;
-      try {
-        message = new TextDecoder('utf-8', { fatal: true }).decode(r.blob16('message'));
-      } catch (e) {
-        if (e instanceof InvalidInputError) throw e;
-        bad('rdma reject message', 'message', 'message is not UTF-8');
-      }
-      m = { type: 'reject', code, message };
+      m = { type: 'reject', code, message: readText(r, 'rdma reject message') };
       break;
     }
     case 5:
@@ -302,6 +378,27 @@ export function decodeMessage(body: Uint8Array): ControlMessage {
       break;
     case 6:
       m = { type: 'close' };
+      break;
+    case 7:
+      m = { type: 'bind', requestId: r.u32('requestId'), token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+      break;
+    case 8: {
+      const requestId = r.u32('requestId');
+      const count = r.u8('count');
+      if (count < 1 || count > MAX_QPS_PER_PEER) bad('rdma bound message', 'rkeys', `1..${MAX_QPS_PER_PEER} rkeys, got ${count}`);
+      const rkeys: number[] = [];
+      for (let i = 0; i < count; i++) rkeys.push(r.u32('rkey'));
+      m = { type: 'bound', requestId, rkeys };
+      break;
+    }
+    case 9: {
+      const requestId = r.u32('requestId');
+      const code = r.str8('code');
+      m = { type: 'refuse', requestId, code, message: readText(r, 'rdma refuse message') };
+      break;
+    }
+    case 10:
+      m = { type: 'unbind', token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
       break;
     default:
       bad('rdma control message', 'type', `unknown message type ${type}`);

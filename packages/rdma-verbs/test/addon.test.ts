@@ -1,11 +1,11 @@
 import { execFileSync, spawnSync } from 'node:child_process';
-import { existsSync, mkdtempSync, rmSync } from 'node:fs';
+import { existsSync, mkdtempSync, readFileSync, rmSync } from 'node:fs';
 import { createRequire } from 'node:module';
 import { tmpdir } from 'node:os';
 import { join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { describe, expect, it } from 'vitest';
-import { addonCandidates, loadNative, tryLoadNative, type NativeAddon } from '../src/native.js';
+import { Access, addonCandidates, loadNative, tryLoadNative, WcOpcode, type NativeAddon, type NativeProbe } from '../src/native.js';
 
 const pkg = resolve(fileURLToPath(new URL('..', import.meta.url)));
 const haveHeaders = existsSync('/usr/include/infiniband/verbs.h');
@@ -77,7 +77,7 @@ describe('native addon', () => {
 
   it('starts with no native resources and no poller threads', () => {
     const c = loadNative().counters();
-    expect(c).toMatchObject({ devices: 0, pds: 0, mrs: 0, cqs: 0, qps: 0, channels: 0, threads: 0 });
+    expect(c).toMatchObject({ devices: 0, pds: 0, mrs: 0, mws: 0, cqs: 0, qps: 0, channels: 0, threads: 0 });
   });
 
   it('names work-completion statuses', () => {
@@ -85,6 +85,124 @@ describe('native addon', () => {
     const s = n.wcStatusString(5);
     if (n.probe().library?.loaded) expect(s).toMatch(/flush/i);
     else expect(s).toBe('status 5');
+  });
+});
+
+describe('memory windows (verbs build)', () => {
+  const r = tryLoadNative();
+  const reason = !('addon' in r) ? 'the addon did not load' : !r.addon.builtWithVerbs ? 'stub build (no infiniband/verbs.h)' : undefined;
+  if (reason) console.warn(`[rdma-verbs] skipping the memory-window API check: ${reason}`);
+  it.skipIf(reason !== undefined)('Device has allocMw, bindMw and deallocMw', () => {
+    const proto = loadNative().Device.prototype as unknown as Record<string, unknown>;
+    for (const m of ['allocMw', 'bindMw', 'deallocMw']) expect(typeof proto[m], m).toBe('function');
+  });
+
+  if (!haveHeaders) console.warn('[rdma-verbs] skipping the verbs.h constant check: infiniband/verbs.h is not installed');
+  it.skipIf(!haveHeaders)('Access.MwBind and WcOpcode match infiniband/verbs.h', () => {
+    const header = readFileSync('/usr/include/infiniband/verbs.h', 'utf8');
+    const wc = enumValues(header, 'ibv_wc_opcode');
+    expect(WcOpcode).toEqual({ RdmaWrite: wc.get('IBV_WC_RDMA_WRITE'), RdmaRead: wc.get('IBV_WC_RDMA_READ'), BindMw: wc.get('IBV_WC_BIND_MW') });
+    const access = enumValues(header, 'ibv_access_flags');
+    expect(Access).toEqual({
+      LocalWrite: access.get('IBV_ACCESS_LOCAL_WRITE'),
+      RemoteWrite: access.get('IBV_ACCESS_REMOTE_WRITE'),
+      RemoteRead: access.get('IBV_ACCESS_REMOTE_READ'),
+      MwBind: access.get('IBV_ACCESS_MW_BIND'),
+    });
+  });
+});
+
+/** Values of a C enum's members whose values are plain numbers, `1 << n`, or implicit. */
+function enumValues(header: string, name: string): Map<string, number> {
+  const body = new RegExp(`enum\\s+${name}\\s*\\{([^}]*)\\}`).exec(header)?.[1];
+  if (body === undefined) throw new Error(`enum ${name} not found in verbs.h`);
+  const out = new Map<string, number>();
+  let next: number | undefined = 0;
+  for (const raw of body.replace(/\/\*[\s\S]*?\*\//g, '').replace(/\/\/.*$/gm, '').split(',')) {
+    const m = /^\s*(\w+)\s*(?:=\s*(.+?))?\s*$/.exec(raw);
+    if (!m?.[1]) continue;
+    const expr = m[2]?.replace(/[()\s]/g, '');
+    let value: number | undefined = next;
+    if (expr !== undefined) {
+      const shift = /^(\d+)<<(\d+)$/.exec(expr);
+      value = /^\d+$/.test(expr) ? Number(expr) : shift ? Number(shift[1]) << Number(shift[2]) : undefined;
+    }
+    if (value !== undefined) out.set(m[1], value);
+    next = value === undefined ? undefined : value + 1;
+  }
+  return out;
+}
+
+describe('fork safety (ibv_fork_init)', () => {
+  const r = tryLoadNative();
+  let probe: NativeProbe | undefined;
+  let reason: string | undefined;
+  if (!('addon' in r)) reason = 'the addon did not load';
+  else if (!r.addon.builtWithVerbs) reason = 'stub build (no infiniband/verbs.h)';
+  else {
+    probe = r.addon.probe();
+    if (probe.library?.loaded !== true) reason = `libibverbs did not load: ${probe.library?.error ?? 'unknown'}`;
+  }
+  if (reason) console.warn(`[rdma-verbs] skipping the fork-safety checks: ${reason}`);
+  const addonPath = 'addon' in r ? r.path : '';
+
+  /** probe().fork from a fresh process (the decision is once per process), with env exactly this. */
+  function forkInChild(env: Record<string, string | undefined>): NativeProbe['fork'] | null {
+    const script = [
+      "import { createRequire } from 'node:module';",
+      `const path = ${JSON.stringify(addonPath)};`,
+      'const p = createRequire(path)(path).probe();',
+      'process.stdout.write(JSON.stringify(p.fork ?? null));',
+    ].join('\n');
+    const out = execFileSync(process.execPath, ['--input-type=module', '-e', script], { env, encoding: 'utf8' });
+    return JSON.parse(out) as NativeProbe['fork'] | null;
+  }
+
+  /** The environment without anything that steers fork handling. */
+  function baseEnv(): Record<string, string | undefined> {
+    const env: Record<string, string | undefined> = { ...process.env };
+    delete env['TENSORWIRE_RDMA_FORK_INIT'];
+    delete env['RDMAV_FORK_SAFE'];
+    delete env['IBV_FORK_SAFE'];
+    return env;
+  }
+
+  it.skipIf(reason !== undefined)('probe() reports a fork status whenever libibverbs loaded', () => {
+    const fork = probe?.fork;
+    expect(fork).toBeDefined();
+    expect(['unneeded', 'enabled', 'disabled', 'failed']).toContain(fork?.status);
+    if (fork?.status === 'disabled') expect(fork.error).toMatch(/^TENSORWIRE_RDMA_FORK_INIT=/);
+    if (fork?.status === 'failed') expect(fork.error).toMatch(/ibv_fork_init/);
+    if (fork?.status === 'enabled' || fork?.status === 'unneeded') expect(fork.error).toBeUndefined();
+  });
+
+  it.skipIf(reason !== undefined)('enables fork support by default and honours TENSORWIRE_RDMA_FORK_INIT=0 (child processes)', () => {
+    const on = forkInChild(baseEnv());
+    const off = forkInChild({ ...baseEnv(), TENSORWIRE_RDMA_FORK_INIT: '0' });
+    if (off?.status === 'unneeded') {
+      // The kernel copies DMA pages on fork: nothing to enable, whatever the variable says.
+      expect(on).toEqual({ status: 'unneeded' });
+    } else {
+      expect(off).toEqual({ status: 'disabled', error: 'TENSORWIRE_RDMA_FORK_INIT=0' });
+      expect(on).toEqual({ status: 'enabled' });
+    }
+  });
+
+  it.skipIf(reason !== undefined)('accepts "off" as an opt-out, and any other value leaves fork support on', () => {
+    const off = forkInChild({ ...baseEnv(), TENSORWIRE_RDMA_FORK_INIT: 'off' });
+    const one = forkInChild({ ...baseEnv(), TENSORWIRE_RDMA_FORK_INIT: '1' });
+    if (off?.status === 'unneeded') {
+      expect(one).toEqual({ status: 'unneeded' });
+    } else {
+      expect(off).toEqual({ status: 'disabled', error: 'TENSORWIRE_RDMA_FORK_INIT=off' });
+      expect(one).toEqual({ status: 'enabled' });
+    }
+  });
+
+  it.skipIf(reason !== undefined)('RDMAV_FORK_SAFE wins over the opt-out (libibverbs would enable it anyway)', () => {
+    const fork = forkInChild({ ...baseEnv(), TENSORWIRE_RDMA_FORK_INIT: '0', RDMAV_FORK_SAFE: '1' });
+    expect(['enabled', 'unneeded']).toContain(fork?.status);
+    expect(fork?.error).toBeUndefined();
   });
 });
 

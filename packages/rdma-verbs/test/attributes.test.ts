@@ -4,6 +4,7 @@ import {
   addressVector,
   chooseMtu,
   chooseRdAtomic,
+  grantMode,
   isIpv4MappedGid,
   isLinkLocalGid,
   lidProblem,
@@ -203,5 +204,15 @@ describe('why RDMA is unavailable', () => {
   it('names ports that are not active', () => {
     const down = selectPort({ ...roceDev, ports: [{ ...rocePort, state: 1 }] });
     expect(unavailableReason({ ...base, portChoices: new Map([['mlx5_0', down]]) })).toBe('no active port: no active port on mlx5_0: port 1 is DOWN');
+  });
+});
+
+describe('grantMode', () => {
+  it('uses type-2 windows where the device has them unless whole-MR rkeys are asked for, and refuses windows it cannot have', () => {
+    expect(grantMode('auto', true)).toMatchObject({ mode: 'memory-window' });
+    expect(grantMode('auto', false)).toMatchObject({ mode: 'memory-region', reason: expect.stringMatching(/no type-2 memory windows/) });
+    expect(grantMode('memory-window', true)).toMatchObject({ mode: 'memory-window' });
+    expect(grantMode('memory-window', false)).toMatchObject({ error: expect.stringMatching(/does not support type-2/) });
+    expect(grantMode('memory-region', true)).toMatchObject({ mode: 'memory-region' });
   });
 });

@@ -4,6 +4,7 @@ import { describe, expect, it } from 'vitest';
 import {
   DESCRIPTOR_PAYLOAD_BYTES,
   FrameReader,
+  WINDOW_DESCRIPTOR_PAYLOAD_BYTES,
   MAX_FRAME,
   decodeEndpoint,
   decodeGrant,
@@ -20,6 +21,9 @@ const hex32 = fc.uint8Array({ minLength: 16, maxLength: 16 }).map((b) => Buffer.
 const token = fc.stringMatching(/^[A-Za-z0-9_-]{1,64}$/);
 const owner = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$/);
 const u24 = fc.integer({ min: 0, max: 0xffffff });
+const u32 = fc.integer({ min: 0, max: 0xffffffff });
+const grantToken = fc.uint8Array({ minLength: 16, maxLength: 16 });
+const text = fc.string({ maxLength: 20 }).filter((s) => Buffer.byteLength(s) <= 64);
 
 const endpointArb: fc.Arbitrary<RdmaEndpoint> = fc.record({
   host: fc.string({ minLength: 1, maxLength: 60 }),
@@ -49,11 +53,19 @@ const messageArb: fc.Arbitrary<ControlMessage> = fc.oneof(
   fc.constant({ type: 'ready' as const }),
   fc.constant({ type: 'retire' as const }),
   fc.constant({ type: 'close' as const }),
+  fc.record({ type: fc.constant('bind' as const), requestId: u32, token: grantToken }),
+  fc.record({ type: fc.constant('bound' as const), requestId: u32, rkeys: fc.array(u32, { minLength: 1, maxLength: 16 }) }),
+  fc.record({ type: fc.constant('refuse' as const), requestId: u32, code: text, message: fc.string({ maxLength: 200 }) }),
+  fc.record({ type: fc.constant('unbind' as const), token: grantToken }),
 );
 
 const grantArb = fc
   .record({ addr: fc.bigInt({ min: 0n, max: (1n << 56n) - 1n }), length: fc.integer({ min: 1, max: Number.MAX_SAFE_INTEGER }), rkey: fc.integer({ min: 0, max: 0xffffffff }) })
   .map((g) => ({ grant: 'mr' as const, ...g }));
+
+const windowGrantArb = fc
+  .record({ addr: fc.bigInt({ min: 0n, max: (1n << 56n) - 1n }), length: fc.integer({ min: 1, max: Number.MAX_SAFE_INTEGER }), token: grantToken })
+  .map((g) => ({ grant: 'window' as const, ...g }));
 
 /** Only typed InvalidInputError may escape a decoder fed hostile bytes. */
 function decodesOrRejects(fn: () => unknown): void {
@@ -112,6 +124,19 @@ describe('descriptor payload', () => {
       }),
     );
   });
+  it('round-trips memory-window grants, which carry a token and no rkey', () => {
+    fc.assert(
+      fc.property(windowGrantArb, (g) => {
+        const b = encodeGrant(g);
+        expect(b.length).toBe(WINDOW_DESCRIPTOR_PAYLOAD_BYTES);
+        expect(decodeGrant(b, g.length)).toEqual(g);
+      }),
+    );
+    expect(() => encodeGrant({ grant: 'window', addr: 0n, length: 1, token: new Uint8Array(15) })).toThrow(/16 bytes/);
+    // A window grant cut to the size of an MR grant is truncated, not misread as one.
+    const w = encodeGrant({ grant: 'window', addr: 0n, length: 1, token: new Uint8Array(16) });
+    expect(() => decodeGrant(w.subarray(0, DESCRIPTOR_PAYLOAD_BYTES))).toThrow(/truncated: token/);
+  });
   it('rejects a payload whose length disagrees with the envelope', () => {
     const b = encodeGrant({ grant: 'mr', addr: 0x7f0000000000n, length: 4096, rkey: 0x1234 });
     expect(() => decodeGrant(b, 8192)).toThrow(/registration covers 4096 bytes but the descriptor claims 8192/);
@@ -122,14 +147,14 @@ describe('descriptor payload', () => {
     zero.fill(0, 13, 21);
     expect(() => decodeGrant(zero)).toThrow(/length is 0/);
     const kind = b.slice();
-    kind[4] = 1;
-    expect(() => decodeGrant(kind)).toThrow(/grant kind 1/);
+    kind[4] = 2;
+    expect(() => decodeGrant(kind)).toThrow(/grant kind 2/);
     const over = b.slice();
     over.fill(0xff, 5, 13);
     expect(() => decodeGrant(over)).toThrow(/exceeds 64 bits/);
   });
   it('survives truncation, corruption, padding and arbitrary bytes', () => {
-    fc.assert(fc.property(grantArb.chain((g) => mutations(encodeGrant(g))), (b) => void decodesOrRejects(() => decodeGrant(b))));
+    fc.assert(fc.property(fc.oneof(grantArb, windowGrantArb).chain((g) => mutations(encodeGrant(g))), (b) => void decodesOrRejects(() => decodeGrant(b))));
     fc.assert(fc.property(fc.uint8Array({ maxLength: 64 }), fc.option(fc.nat()), (b, n) => void decodesOrRejects(() => decodeGrant(b, n ?? undefined))));
   });
 });
@@ -189,6 +214,20 @@ describe('handshake frames', () => {
     const count = body.slice();
     count[qpnAt - 1] = 17;
     expect(() => decodeMessage(count)).toThrow(/1\.\.16 queue pairs, got 17/);
+  });
+  it('window messages: BOUND carries 1..16 rkeys; BIND and UNBIND carry exactly a 16-byte token', () => {
+    expect(() => encodeFrame({ type: 'bound', requestId: 1, rkeys: [] })).toThrow(/1\.\.16 rkeys/);
+    expect(() => encodeFrame({ type: 'bound', requestId: 1, rkeys: new Array<number>(17).fill(1) })).toThrow(/1\.\.16 rkeys/);
+    expect(() => encodeFrame({ type: 'bound', requestId: 1, rkeys: [2 ** 32] })).toThrow(/32-bit/);
+    expect(() => encodeFrame({ type: 'bind', requestId: -1, token: new Uint8Array(16) })).toThrow(/request id/);
+    expect(() => encodeFrame({ type: 'unbind', token: new Uint8Array(17) })).toThrow(/16 bytes/);
+    const bound = encodeFrame({ type: 'bound', requestId: 7, rkeys: [1, 2] }).subarray(4);
+    const zero = bound.slice();
+    zero[5] = 0; // count
+    expect(() => decodeMessage(zero)).toThrow(/1\.\.16 rkeys, got 0/);
+    const bind = encodeFrame({ type: 'bind', requestId: 7, token: new Uint8Array(16) }).subarray(4);
+    expect(() => decodeMessage(bind.subarray(0, bind.length - 1))).toThrow(/truncated: token/);
+    expect(() => decodeMessage(Uint8Array.from([...bind, 0]))).toThrow(/trailing/);
   });
   it('refuses oversized and empty frames before buffering them', () => {
     const r = new FrameReader();

@@ -103,7 +103,8 @@ export const rdma: Scenario = async (ctx: ScenarioContext): Promise<ScenarioResu
   const ratios: Ratio[] = [];
   const notes: string[] = [
     `device ${sel.device} port ${sel.port} (${sel.linkLayer}), GID ${sel.gidIndex} ${sel.gidType}, NUMA node ${String(sel.numaNode)}`,
-    `memory windows: ${caps.memoryWindows.type2Supported ? 'type 2 supported' : 'not supported'}; ${caps.memoryWindows.note}`,
+    `grants: ${caps.memoryWindows.grants} (type-2 memory windows ${caps.memoryWindows.type2Supported ? 'supported' : 'not supported'}): ${caps.memoryWindows.note}`,
+    `fork safety: ${caps.fork ? `${caps.fork.status}${caps.fork.error !== undefined ? ` (${caps.fork.error})` : ''}` : 'unknown'}`,
   ];
   let failures = 0;
   const expected = pattern(regionBytes, 4321);
