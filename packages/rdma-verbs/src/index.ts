@@ -1,4 +1,4 @@
-export { RdmaTransport, RdmaConnection, type RdmaTransportOptions, type CudaDmabufExport } from './transport.js';
+export { RdmaTransport, RdmaConnection, type RdmaTransportOptions, type RdmaBackend, type CudaDmabufExport } from './transport.js';
 export { capabilities, isAvailable, toDeviceRecord, usablePort, readNumaNode, readGidAttrs, SYSFS_INFINIBAND, type RdmaCapabilities, type CapabilityOptions } from './capabilities.js';
 export * from './attributes.js';
 export * from './wire.js';

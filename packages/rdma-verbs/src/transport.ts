@@ -81,6 +81,16 @@ export interface CudaDmabufExport {
   release?(): void;
 }
 
+/**
+ * The verbs layer under the transport: the addon and what discovery found. The default is
+ * the native addon and `capabilities()`. Tests replace it with simulated verbs to exercise the
+ * transport's own logic; that proves nothing about libibverbs or a NIC.
+ */
+export interface RdmaBackend {
+  readonly native: NativeAddon;
+  readonly capabilities: RdmaCapabilities;
+}
+
 export interface RdmaTransportOptions {
   /** RDMA device; default TENSORWIRE_RDMA_DEVICE, else the first device with an active port. */
   device?: string;
@@ -120,6 +130,8 @@ export interface RdmaTransportOptions {
   grants?: 'auto' | 'memory-window' | 'memory-region';
   /** Most grants one connection may hold windows for at once (memory-window mode). Default 1024. */
   maxWindowGrantsPerConnection?: number;
+  /** Replace the addon and device discovery (tests only; see {@link RdmaBackend}). */
+  backend?: RdmaBackend;
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
   cudaDmabuf?: (memory: CudaMemory) => CudaDmabufExport;
   logger?: Logger;
@@ -974,7 +986,7 @@ export class RdmaTransport implements Transport {
     }
     this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
     this.retireTimeoutMs = options.retireTimeoutMs ?? 30_000;
-    const load = tryLoadNative();
+    const load = options.backend ? { addon: options.backend.native } : tryLoadNative();
     const dmabuf = 'addon' in load && options.cudaDmabuf !== undefined && load.addon.probe().dmabuf;
     const kinds: MemoryKind[] = dmabuf ? ['host', 'cuda'] : ['host'];
     this.capabilities = {
@@ -1017,11 +1029,13 @@ export class RdmaTransport implements Transport {
     if (this.#closing) throw new ClosedError('rdma transport is closed');
     this.#host = host;
     if (this.#options.logger === undefined) this.logger = host.logger;
-    const caps = probeCapabilities({
-      ...(this.#options.device !== undefined ? { device: this.#options.device } : {}),
-      ...(this.#options.port !== undefined ? { port: this.#options.port } : {}),
-      ...(this.#options.gidIndex !== undefined ? { gidIndex: this.#options.gidIndex } : {}),
-    });
+    const caps =
+      this.#options.backend?.capabilities ??
+      probeCapabilities({
+        ...(this.#options.device !== undefined ? { device: this.#options.device } : {}),
+        ...(this.#options.port !== undefined ? { port: this.#options.port } : {}),
+        ...(this.#options.gidIndex !== undefined ? { gidIndex: this.#options.gidIndex } : {}),
+      });
     this.#caps = caps;
     const sel = caps.selected;
     if (!caps.available || sel === undefined) throw new BackendUnavailableError(`rdma is unavailable: ${caps.reason ?? 'no usable device'}`);
@@ -1033,7 +1047,7 @@ export class RdmaTransport implements Transport {
     if ('error' in mode) throw new BackendUnavailableError(`rdma on ${sel.device}: ${mode.error}`);
     this.#grantMode = mode.mode;
     if (mode.mode === 'memory-window') this.#ledger = new WindowLedger(this.#options.maxWindowGrantsPerConnection ?? 1024);
-    this.#native = loadNative();
+    this.#native = this.#options.backend?.native ?? loadNative();
     try {
       this.#device = new this.#native.Device(sel.device, (t) => this.#onCompletions(t));
     } catch (e) {
