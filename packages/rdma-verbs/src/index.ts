@@ -2,7 +2,7 @@ export { RdmaTransport, RdmaConnection, type RdmaTransportOptions, type RdmaBack
 export { capabilities, isAvailable, toDeviceRecord, usablePort, readNumaNode, readGidAttrs, SYSFS_INFINIBAND, type RdmaCapabilities, type CapabilityOptions } from './capabilities.js';
 export * from './attributes.js';
 export * from './wire.js';
-export { WindowLedger, WindowKeyCache, Binding, tokenHex, type WindowKeys, type RefuseCode, type BindRequest } from './windows.js';
+export { WindowLedger, WindowKeyCache, Binding, tokenHex, refusal, MAX_BINDS_IN_FLIGHT, type WindowKeys, type RefuseCode, type BindRequest } from './windows.js';
 export {
   loadNative,
   tryLoadNative,

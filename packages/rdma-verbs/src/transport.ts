@@ -56,7 +56,7 @@ import {
 } from './attributes.js';
 import { capabilities as probeCapabilities, type RdmaCapabilities } from './capabilities.js';
 import { Access, WcStatus, loadNative, nativeError, tryLoadNative, type NativeAddon, type NativeDevice } from './native.js';
-import { tokenHex, WindowKeyCache, WindowLedger, type Binding, type WindowKeys } from './windows.js';
+import { MAX_BINDS_IN_FLIGHT, tokenHex, WindowKeyCache, WindowLedger, type Binding, type WindowKeys } from './windows.js';
 import {
   FrameReader,
   MAX_QPS_PER_PEER,
@@ -128,8 +128,8 @@ export interface RdmaTransportOptions {
    * - `auto` (default): `memory-window` where the device supports type-2 windows.
    */
   grants?: 'auto' | 'memory-window' | 'memory-region';
-  /** Most grants one connection may hold windows for at once (memory-window mode). Default 1024. */
-  maxWindowGrantsPerConnection?: number;
+  /** Most grants one peer may hold windows for at once, over all its connections (memory-window mode). Default 1024. */
+  maxWindowGrantsPerPeer?: number;
   /** Replace the addon and device discovery (tests only; see {@link RdmaBackend}). */
   backend?: RdmaBackend;
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
@@ -147,6 +147,10 @@ const MAX_WR_BYTES = 0x40000000;
 const POST_BATCH = 32;
 /** Send-queue slots per QP kept for BIND_MW work requests (so binds never wait behind data). */
 const BIND_SLOTS = 4;
+/** BINDs one connection may have in flight; a peer sending more is violating the protocol. */
+const MAX_PENDING_BINDS = MAX_BINDS_IN_FLIGHT;
+/** Control bytes queued to a peer that does not read them before the connection is dropped. */
+const MAX_CONTROL_BACKLOG = 1 << 20;
 
 /** A registration's handle: opaque to the engine. */
 class RdmaRegistration {
@@ -160,6 +164,9 @@ class RdmaRegistration {
   token: Uint8Array | undefined;
   tokenHex: string | undefined;
   revoked = false;
+  /** Memory windows allocated over this MR and not yet deallocated (any connection). */
+  windows = 0;
+  windowsGone: (() => void)[] = [];
   /** Work requests on the NIC that use this memory. */
   posted = 0;
   idle: (() => void)[] = [];
@@ -208,6 +215,8 @@ interface Pending {
 }
 
 interface BindWait {
+  /** The window this bind work request binds. */
+  readonly mwId: number;
   resolve(): void;
   reject(e: TensorwireError): void;
 }
@@ -277,7 +286,13 @@ class Control {
     if (this.#failed) listener(this.#failed);
   }
   send(m: ControlMessage): void {
-    if (!this.socket.destroyed && this.socket.writable) this.socket.write(encodeFrame(m));
+    if (this.socket.destroyed || !this.socket.writable) return;
+    if (this.socket.writableLength > MAX_CONTROL_BACKLOG) {
+      // The peer asks (BIND) faster than it reads the answers: drop it rather than buffer forever.
+      this.socket.destroy(new Error(`the peer does not read its control messages (${this.socket.writableLength} bytes queued)`));
+      return;
+    }
+    this.socket.write(encodeFrame(m));
   }
   /** The next message, or a typed error on failure, abort or deadline. */
   next(signal: AbortSignal | undefined, deadline: number, what: string): Promise<ControlMessage> {
@@ -346,8 +361,10 @@ export class RdmaConnection implements TransportConnection {
   readonly #keys: WindowKeyCache;
   /** Holder side: BIND_MW work requests on the NIC, by wrId. */
   readonly #binds = new Map<number, BindWait>();
-  /** Holder side: every window allocated for this connection and not yet deallocated. */
-  readonly #windowIds = new Set<number>();
+  /** Holder side: every window allocated for this connection and not yet deallocated, with its MR. */
+  readonly #windowIds = new Map<number, RdmaRegistration>();
+  /** Holder side: BINDs being served (waiting for a slot, binding, or waiting for another's bind). */
+  #pendingBinds = 0;
   /** Holder side: BINDs served at once (each takes one send-queue slot per QP). */
   #bindSlots = BIND_SLOTS;
   readonly #bindWaiters: (() => void)[] = [];
@@ -709,6 +726,20 @@ export class RdmaConnection implements TransportConnection {
    * registration behind `token`, and answer with their rkeys, or refuse with a reason.
    */
   async #serveBind(requestId: number, token: Uint8Array): Promise<void> {
+    if (this.#pendingBinds >= MAX_PENDING_BINDS) {
+      // A requester asks once per grant and waits; this many at once is not a requester.
+      void this.#shutdown(new ConnectionBrokenError(`${this.peer.nodeId} sent more than ${MAX_PENDING_BINDS} BINDs at once`), undefined);
+      return;
+    }
+    this.#pendingBinds++;
+    try {
+      await this.#serveBindNow(requestId, token);
+    } finally {
+      this.#pendingBinds--;
+    }
+  }
+
+  async #serveBindNow(requestId: number, token: Uint8Array): Promise<void> {
     const refuse = (code: string, message: string): void => this.#control.send({ type: 'refuse', requestId, code, message });
     if (this.#state !== 'open' && this.#state !== 'retiring') return refuse('closing', 'the connection is closing');
     const ledger = this.#owner.windowLedger;
@@ -737,7 +768,8 @@ export class RdmaConnection implements TransportConnection {
     } catch (e) {
       this.#deallocWindows(b.windows);
       ledger.fail(b);
-      refuse('bind-failed', toTensorwireError(e).message);
+      const err = toTensorwireError(e);
+      refuse(err instanceof ResourceExhaustedError ? 'no-windows' : 'bind-failed', err.message);
     } finally {
       this.#bindSlots++;
       this.#bindWaiters.shift()?.();
@@ -754,19 +786,21 @@ export class RdmaConnection implements TransportConnection {
     for (const s of this.#streams) {
       try {
         const mw = this.#device.allocMw();
-        this.#windowIds.add(mw.id);
+        this.#windowIds.set(mw.id, reg);
+        reg.windows++;
         b.windows.push(mw.id);
         const wrId = this.#nextWrId++;
-        const done = new Promise<void>((resolve, reject) => this.#binds.set(wrId, { resolve, reject }));
         const r = this.#device.bindMw(s.qpId, mw.id, reg.mrId, 0, reg.length, Access.RemoteRead | Access.RemoteWrite, BigInt(wrId));
         if (!r.posted) {
-          this.#binds.delete(wrId);
           failure =
             r.errno === 12
               ? new ResourceExhaustedError(`send queue full while binding a window: ${r.error ?? ''}`)
               : new ConnectionBrokenError(`binding a window for ${this.peer.nodeId} failed: ${r.error ?? `errno ${r.errno}`}`);
           break;
         }
+        // Completions arrive on a later turn of the event loop: registering it now is in time.
+        const done = new Promise<void>((resolve, reject) => this.#binds.set(wrId, { mwId: mw.id, resolve, reject }));
+        done.catch(() => undefined); // observed below through allSettled
         rkeys.push(r.rkey);
         waits.push(done);
       } catch (e) {
@@ -785,12 +819,17 @@ export class RdmaConnection implements TransportConnection {
   /** Deallocate windows this connection holds (idempotent per id): their rkeys stop working. */
   #deallocWindows(ids: readonly number[]): void {
     for (const id of ids) {
-      if (!this.#windowIds.delete(id)) continue;
+      const reg = this.#windowIds.get(id);
+      if (!reg) continue;
+      this.#windowIds.delete(id);
       try {
         this.#device.deallocMw(id);
       } catch (e) {
         this.#owner.logger.warn('rdma: ibv_dealloc_mw failed', { error: String(e) });
       }
+      reg.windows--;
+      // revoke() deregisters the MR only once no window is bound over it.
+      if (reg.windows === 0) for (const f of reg.windowsGone.splice(0)) f();
     }
   }
 
@@ -887,10 +926,10 @@ export class RdmaConnection implements TransportConnection {
           this.#owner.logger.warn('rdma: flushes did not all arrive; destroying the queue pairs stops DMA', { peer: this.peer.nodeId, outstanding: this.outstanding });
         }
       }
-      const flushed = this.outstanding === 0;
-      // Windows bound to these QPs: deallocated before the QPs go when every bind has
-      // completed, after them otherwise (a bind still on the NIC dies with its QP).
-      if (flushed) this.#deallocWindows([...this.#windowIds]);
+      // Windows bound to these QPs go before the QPs; one whose bind is still on the NIC (the
+      // flush did not come) goes after, when destroying its QP has ended the bind.
+      const binding = new Set([...this.#binds.values()].map((w) => w.mwId));
+      this.#deallocWindows([...this.#windowIds.keys()].filter((id) => !binding.has(id)));
       // Destroying the QPs guarantees the NIC no longer touches any buffer they referenced.
       for (const s of this.#streams) {
         try {
@@ -902,7 +941,7 @@ export class RdmaConnection implements TransportConnection {
       const closed = new ConnectionBrokenError(`rdma connection to ${this.peer.nodeId} closed before the window bind completed`);
       for (const w of this.#binds.values()) w.reject(closed);
       this.#binds.clear();
-      if (!flushed) this.#deallocWindows([...this.#windowIds]);
+      this.#deallocWindows([...this.#windowIds.keys()]);
       for (const p of this.#byWr.values()) {
         p.reg.posted--;
         if (p.reg.posted === 0) for (const f of p.reg.idle.splice(0)) f();
@@ -980,9 +1019,9 @@ export class RdmaTransport implements Transport {
     if (grants !== 'auto' && grants !== 'memory-window' && grants !== 'memory-region') {
       throw new InvalidInputError(`grants must be auto, memory-window or memory-region, not ${JSON.stringify(grants)}`, { details: { field: 'grants' } });
     }
-    const limit = options.maxWindowGrantsPerConnection ?? 1024;
+    const limit = options.maxWindowGrantsPerPeer ?? 1024;
     if (!Number.isInteger(limit) || limit < 1) {
-      throw new InvalidInputError('maxWindowGrantsPerConnection must be a positive integer', { details: { field: 'maxWindowGrantsPerConnection' } });
+      throw new InvalidInputError('maxWindowGrantsPerPeer must be a positive integer', { details: { field: 'maxWindowGrantsPerPeer' } });
     }
     this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
     this.retireTimeoutMs = options.retireTimeoutMs ?? 30_000;
@@ -1046,7 +1085,15 @@ export class RdmaTransport implements Transport {
     const mode = grantMode(this.#options.grants ?? 'auto', record.memoryWindowType2);
     if ('error' in mode) throw new BackendUnavailableError(`rdma on ${sel.device}: ${mode.error}`);
     this.#grantMode = mode.mode;
-    if (mode.mode === 'memory-window') this.#ledger = new WindowLedger(this.#options.maxWindowGrantsPerConnection ?? 1024);
+    if (mode.mode === 'memory-window') {
+      this.#ledger = new WindowLedger<RdmaConnection, RdmaRegistration>(this.#options.maxWindowGrantsPerPeer ?? 1024, (c) => `${c.peer.nodeId}/${c.peer.incarnation}`);
+    }
+    if (caps.fork !== undefined && (caps.fork.status === 'failed' || caps.fork.status === 'disabled')) {
+      this.logger.warn('rdma: libibverbs fork support is off: a fork() while memory is registered can corrupt it (see README "Fork safety")', {
+        status: caps.fork.status,
+        reason: caps.fork.error,
+      });
+    }
     this.#native = this.#options.backend?.native ?? loadNative();
     try {
       this.#device = new this.#native.Device(sel.device, (t) => this.#onCompletions(t));
@@ -1198,6 +1245,9 @@ export class RdmaTransport implements Transport {
         else pending.push(b.settled);
       }
       await Promise.all(pending);
+      // Windows of connections that are closing are deallocated after their quiesce; the
+      // MR cannot be deregistered while any is bound over it.
+      if (handle.windows > 0) await new Promise<void>((r) => handle.windowsGone.push(r));
     }
     // Nothing new is posted for it (queued work fails); wait for what is on the NIC.
     if (handle.posted > 0) await new Promise<void>((r) => handle.idle.push(r));
@@ -1205,13 +1255,12 @@ export class RdmaTransport implements Transport {
   }
 
   #deregister(reg: RdmaRegistration): void {
-    if (!this.#registrations.delete(reg)) return;
-    try {
-      // Deregistering invalidates the rkey: remote access fails from here on.
-      this.#device?.deregMr(reg.mrId);
-    } finally {
-      reg.release?.();
-    }
+    if (!this.#registrations.has(reg)) return;
+    // Deregistering invalidates the rkey: remote access fails from here on. If it fails the
+    // registration stays listed (close() tries again) and its memory is not released.
+    this.#device?.deregMr(reg.mrId);
+    this.#registrations.delete(reg);
+    reg.release?.();
   }
 
   decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
@@ -1496,9 +1545,15 @@ export class RdmaTransport implements Transport {
       for (const reg of [...this.#registrations]) {
         reg.revoked = true;
         if (reg.tokenHex !== undefined) this.#ledger?.revokeGrant(reg.tokenHex);
-        this.#deregister(reg);
+        try {
+          this.#deregister(reg);
+        } catch (e) {
+          this.logger.warn('rdma: ibv_dereg_mr failed; closing the device releases it', { error: String(e) });
+        }
       }
-      this.#device?.close();
+      this.#device?.close(); // deallocates windows, destroys QPs and deregisters what is left
+      for (const reg of this.#registrations) reg.release?.();
+      this.#registrations.clear();
       this.#device = undefined;
     })();
     return this.#closing;

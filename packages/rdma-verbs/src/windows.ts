@@ -14,11 +14,15 @@
  * rkeys per grant on one connection. Both are keyed by the whole grant token, and both live
  * with the connection they serve (invariant 2).
  */
-import { ConnectionBrokenError, RemoteRejectedError, ResourceExhaustedError, type TensorwireError } from '@tensorwire/core';
+import { ConnectionBrokenError, RemoteRejectedError, ResourceExhaustedError, SessionInvalidatedError, type TensorwireError } from '@tensorwire/core';
 import { GRANT_TOKEN_BYTES } from './wire.js';
 
-/** Why a holder refuses a BIND. */
-export type RefuseCode = 'unknown-grant' | 'window-limit' | 'bind-failed' | 'closing';
+/**
+ * Why a holder refuses a BIND: `unknown-grant` (never issued or revoked), `window-limit` (the
+ * peer holds windows for as many grants as it may), `no-windows` (the device is out of
+ * windows), `bind-failed` (the bind itself failed), `closing` (the connection is closing).
+ */
+export type RefuseCode = 'unknown-grant' | 'window-limit' | 'no-windows' | 'bind-failed' | 'closing';
 
 export function tokenHex(token: Uint8Array): string {
   return Buffer.from(token.buffer, token.byteOffset, token.byteLength).toString('hex');
@@ -54,17 +58,21 @@ export type BindRequest<C, G> =
 
 /**
  * The holder's table: grants that may be bound (by token) and the bindings per grant and per
- * connection. `C` is the connection, `G` the registration.
+ * connection. `C` is the connection, `G` the registration. The budget is per peer (all its
+ * connections together), so opening more connections buys a peer no more windows.
  */
 export class WindowLedger<C, G> {
-  /** Most grants one connection may have windows for at once. */
-  readonly limitPerConnection: number;
+  /** Most grants one peer may have windows for at once, over all its connections. */
+  readonly limitPerPeer: number;
+  readonly #peerOf: (conn: C) => string;
   readonly #grants = new Map<string, { readonly grant: G; readonly bindings: Map<C, Binding<C>> }>();
   readonly #byConn = new Map<C, Map<string, Binding<C>>>();
+  readonly #perPeer = new Map<string, number>();
 
-  constructor(limitPerConnection: number) {
-    if (!Number.isInteger(limitPerConnection) || limitPerConnection < 1) throw new RangeError('limitPerConnection must be a positive integer');
-    this.limitPerConnection = limitPerConnection;
+  constructor(limitPerPeer: number, peerOf: (conn: C) => string = String) {
+    if (!Number.isInteger(limitPerPeer) || limitPerPeer < 1) throw new RangeError('limitPerPeer must be a positive integer');
+    this.limitPerPeer = limitPerPeer;
+    this.#peerOf = peerOf;
   }
 
   /** A registration that peers may bind windows for. */
@@ -86,20 +94,28 @@ export class WindowLedger<C, G> {
     return this.#byConn.get(conn)?.size ?? 0;
   }
 
+  /** Bindings (any state) a peer holds over all its connections. */
+  peerBindingCount(conn: C): number {
+    return this.#perPeer.get(this.#peerOf(conn)) ?? 0;
+  }
+
   /** A requester on `conn` presents `token`. */
   request(conn: C, token: string): BindRequest<C, G> {
     const g = this.#grants.get(token);
     if (!g) return { kind: 'refused', code: 'unknown-grant', message: 'no such grant: it was never issued here or has been revoked' };
     const existing = g.bindings.get(conn);
     if (existing) return { kind: 'existing', binding: existing };
-    let mine = this.#byConn.get(conn);
-    if ((mine?.size ?? 0) >= this.limitPerConnection) {
-      return { kind: 'refused', code: 'window-limit', message: `this connection already has windows for ${this.limitPerConnection} grants` };
+    const peer = this.#peerOf(conn);
+    const used = this.#perPeer.get(peer) ?? 0;
+    if (used >= this.limitPerPeer) {
+      return { kind: 'refused', code: 'window-limit', message: `this peer already has windows for ${this.limitPerPeer} grants` };
     }
     const b = new Binding(conn, token);
     g.bindings.set(conn, b);
+    let mine = this.#byConn.get(conn);
     if (!mine) this.#byConn.set(conn, (mine = new Map()));
     mine.set(token, b);
+    this.#perPeer.set(peer, used + 1);
     return { kind: 'new', binding: b, grant: g.grant };
   }
 
@@ -159,8 +175,20 @@ export class WindowLedger<C, G> {
     if (mine?.get(b.token) === b) {
       mine.delete(b.token);
       if (mine.size === 0) this.#byConn.delete(b.conn);
+      const peer = this.#peerOf(b.conn);
+      const left = (this.#perPeer.get(peer) ?? 1) - 1;
+      if (left > 0) this.#perPeer.set(peer, left);
+      else this.#perPeer.delete(peer);
     }
   }
+}
+
+/** The typed error for a REFUSE: backpressure, a closing connection, or a rejection. */
+export function refusal(code: string, message: string): TensorwireError {
+  const details = { remoteCode: code };
+  if (code === 'window-limit' || code === 'no-windows') return new ResourceExhaustedError(`the holder has no room for more windows: ${message}`, { details });
+  if (code === 'closing') return new SessionInvalidatedError(`the holder is closing the connection: ${message}`, { details });
+  return new RemoteRejectedError(`the holder refused the grant: ${message}`, { details });
 }
 
 /** rkeys of one grant on one connection, one per queue pair. `revoked` is set by UNBIND. */
@@ -175,22 +203,48 @@ interface Waiting {
   readonly reject: (e: TensorwireError) => void;
 }
 
+/** BINDs a requester has in flight on one connection; the holder treats more as abuse. */
+export const MAX_BINDS_IN_FLIGHT = 64;
+
 /**
  * The requester's side on one connection: rkeys per grant token, with one BIND in flight per
- * token however many transfers want it.
+ * token however many transfers want it, and at most `maxInFlight` BINDs in flight at all
+ * (the rest wait their turn).
  */
 export class WindowKeyCache {
   readonly #send: (requestId: number, token: Uint8Array) => void;
   readonly #queuePairs: number;
+  readonly #maxInFlight: number;
+  readonly #queued: { readonly requestId: number; readonly token: Uint8Array }[] = [];
+  #inFlight = 0;
   readonly #keys = new Map<string, WindowKeys>();
   readonly #inflight = new Map<string, Promise<WindowKeys>>();
   readonly #waiting = new Map<number, Waiting>();
   #nextRequest = 1;
   #failed: TensorwireError | undefined;
 
-  constructor(queuePairs: number, send: (requestId: number, token: Uint8Array) => void) {
+  constructor(queuePairs: number, send: (requestId: number, token: Uint8Array) => void, maxInFlight = MAX_BINDS_IN_FLIGHT) {
     this.#queuePairs = queuePairs;
     this.#send = send;
+    this.#maxInFlight = maxInFlight;
+  }
+
+  /** BINDs sent and not yet answered. */
+  get inFlight(): number {
+    return this.#inFlight;
+  }
+
+  #dispatch(): void {
+    while (this.#inFlight < this.#maxInFlight && this.#queued.length > 0) {
+      const q = this.#queued.shift() as { requestId: number; token: Uint8Array };
+      this.#inFlight++;
+      this.#send(q.requestId, q.token);
+    }
+  }
+
+  #answered(): void {
+    this.#inFlight--;
+    this.#dispatch();
   }
 
   /** Grants with rkeys cached. */
@@ -218,7 +272,8 @@ export class WindowKeyCache {
       this.#inflight.set(hex, p);
       // The rejection is observed by whoever awaits it; keep an unawaited one from being reported.
       p.catch(() => undefined);
-      this.#send(requestId, token);
+      this.#queued.push({ requestId, token: new Uint8Array(token) });
+      this.#dispatch();
     }
     return p;
   }
@@ -226,9 +281,12 @@ export class WindowKeyCache {
   /** BOUND arrived. Returns a protocol error to break the connection with, or undefined. */
   onBound(requestId: number, rkeys: readonly number[]): TensorwireError | undefined {
     const w = this.#waiting.get(requestId);
-    if (!w) return new ConnectionBrokenError(`the holder answered BIND request ${requestId}, which is not pending`);
+    if (!w || this.#queued.some((q) => q.requestId === requestId)) {
+      return new ConnectionBrokenError(`the holder answered BIND request ${requestId}, which is not pending`);
+    }
     this.#waiting.delete(requestId);
     this.#inflight.delete(w.token);
+    this.#answered();
     if (rkeys.length !== this.#queuePairs) {
       const e = new ConnectionBrokenError(`the holder bound ${rkeys.length} windows for ${this.#queuePairs} queue pairs`);
       w.reject(e);
@@ -243,14 +301,13 @@ export class WindowKeyCache {
   /** REFUSE arrived. Returns a protocol error to break the connection with, or undefined. */
   onRefused(requestId: number, code: string, message: string): TensorwireError | undefined {
     const w = this.#waiting.get(requestId);
-    if (!w) return new ConnectionBrokenError(`the holder refused BIND request ${requestId}, which is not pending`);
+    if (!w || this.#queued.some((q) => q.requestId === requestId)) {
+      return new ConnectionBrokenError(`the holder refused BIND request ${requestId}, which is not pending`);
+    }
     this.#waiting.delete(requestId);
     this.#inflight.delete(w.token);
-    w.reject(
-      code === 'window-limit'
-        ? new ResourceExhaustedError(`the holder has no room for more windows on this connection: ${message}`, { details: { remoteCode: code } })
-        : new RemoteRejectedError(`the holder refused the grant: ${message}`, { details: { remoteCode: code } }),
-    );
+    this.#answered();
+    w.reject(refusal(code, message));
     return undefined;
   }
 
@@ -269,6 +326,8 @@ export class WindowKeyCache {
     this.#failed ??= error;
     for (const w of this.#waiting.values()) w.reject(error);
     this.#waiting.clear();
+    this.#queued.length = 0;
+    this.#inFlight = 0;
     this.#inflight.clear();
     for (const k of this.#keys.values()) k.revoked = true;
     this.#keys.clear();

@@ -331,7 +331,7 @@ describe.skipIf(windowSkip !== undefined)(`memory-window grants on ${device ?? '
   });
 
   it('a connection over its window budget gets backpressure, not a broken connection', async () => {
-    const { a, b, conn } = await pair(1, { ...W, maxWindowGrantsPerConnection: 1 });
+    const { a, b, conn } = await pair(1, { ...W, maxWindowGrantsPerPeer: 1 });
     const r1 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const r2 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });

@@ -178,7 +178,7 @@ describe('memory-window grants over simulated verbs', () => {
 
   it('a connection over its window budget gets backpressure; revoking a grant frees room', async () => {
     const fabric = new SimFabric();
-    const { a, b, conn } = await pair(fabric, 1, { maxWindowGrantsPerConnection: 1 });
+    const { a, b, conn } = await pair(fabric, 1, { maxWindowGrantsPerPeer: 1 });
     const r1 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const r2 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
@@ -189,6 +189,56 @@ describe('memory-window grants over simulated verbs', () => {
     expect(conn.isOpen).toBe(true);
     await b.t.revoke(r1.handle);
     await read(r2.payload);
+  });
+
+  it('revoke while the connection holding windows for it is still quiescing waits for those windows before deregistering', async () => {
+    const fabric = new SimFabric();
+    const { a, b, conn } = await pair(fabric, 1);
+    const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
+    const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
+    await conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
+    // The holder has its own READ on the same connection, whose completion is held: closing
+    // the connection must wait for its flush before the windows go.
+    const served = b.inbound[0] as RdmaConnection;
+    const mine = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
+    const back = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
+    const backRead = { op: 'read' as const, local: mine.handle, localOffset: 0, remote: b.t.decodeRemote(back.payload, 'host', 4096), remoteOffset: 0, length: 4096 };
+    await served.execute(0, [backRead], opts()); // B's keys for A's memory are cached
+    fabric.holdCompletions = true;
+    const holderRead = failure(served.execute(0, [backRead], opts()));
+    expect(served.outstanding).toBe(1);
+    const closing = served.close(new ConnectionBrokenError('holder closes'));
+    const mrs = fabric.counters.mrs;
+    let revoked: unknown = 'pending';
+    const revoking = b.t.revoke(rr.handle).then(
+      () => (revoked = undefined),
+      (e: unknown) => (revoked = e),
+    );
+    await new Promise((r) => setTimeout(r, 20));
+    expect(revoked).toBe('pending'); // the windows over the MR are still there
+    expect(served.windows).toBe(1);
+    fabric.releaseCompletions();
+    await closing;
+    await revoking;
+    expect(revoked).toBeUndefined();
+    expect(served.windows).toBe(0);
+    expect(fabric.counters.mrs).toBe(mrs - 1);
+    await holderRead;
+  });
+
+  it('a transfer over a hundred grants at once binds them all, a bounded number of BINDs at a time', async () => {
+    const fabric = new SimFabric();
+    const { a, b, conn } = await pair(fabric, 2);
+    const n = 100;
+    const regs = await Promise.all(Array.from({ length: n }, (_, i) => b.t.register({ kind: 'host', buffer: new Uint8Array(1024).fill(i) })));
+    const dst = new Uint8Array(n * 1024);
+    const lr = await a.t.register({ kind: 'host', buffer: dst });
+    const chunks = regs.map((r, i) => ({ op: 'read' as const, local: lr.handle, localOffset: i * 1024, remote: a.t.decodeRemote(r.payload, 'host', 1024), remoteOffset: 0, length: 1024 }));
+    await conn.execute(0, chunks, opts());
+    for (let i = 0; i < n; i++) expect(dst[i * 1024]).toBe(i);
+    expect(conn.cachedGrants).toBe(n);
+    expect(b.inbound[0]?.windows).toBe(2 * n);
+    expect(conn.isOpen).toBe(true);
   });
 
   it('revoke while the bind is still on the NIC: the binder deallocates, the requester is refused, the MR is deregistered after', async () => {

@@ -4,9 +4,9 @@
  * tests say nothing about a NIC; the hardware suite binds real windows.
  */
 import fc from 'fast-check';
-import { ConnectionBrokenError, RemoteRejectedError, ResourceExhaustedError } from '@tensorwire/core';
+import { ConnectionBrokenError, RemoteRejectedError, ResourceExhaustedError, SessionInvalidatedError } from '@tensorwire/core';
 import { describe, expect, it } from 'vitest';
-import { WindowKeyCache, WindowLedger, tokenHex, type Binding } from '../src/windows.js';
+import { WindowKeyCache, WindowLedger, refusal, tokenHex, type Binding } from '../src/windows.js';
 
 const tok = (n: number): Uint8Array => {
   const t = new Uint8Array(16);
@@ -33,6 +33,20 @@ describe('WindowLedger (holder side)', () => {
     expect(l.request('c2', 'aa').kind).toBe('new');
     expect(l.bindingCount('c1')).toBe(2);
     expect(l.bindingCount('c2')).toBe(1);
+  });
+
+  it('the budget is per peer: more connections buy a peer no more windows, and removing bindings returns it', () => {
+    const peerOf = (c: string): string => c.split('#')[0] as string;
+    const l = new WindowLedger<string, string>(2, peerOf);
+    for (const t of ['aa', 'bb', 'cc']) l.addGrant(t, t);
+    expect(l.request('p1#1', 'aa').kind).toBe('new');
+    expect(l.request('p1#2', 'bb').kind).toBe('new');
+    expect(l.request('p1#3', 'cc')).toMatchObject({ kind: 'refused', code: 'window-limit' });
+    expect(l.request('p2#1', 'cc').kind).toBe('new'); // another peer
+    expect(l.peerBindingCount('p1#9')).toBe(2);
+    l.dropConnection('p1#1');
+    expect(l.peerBindingCount('p1#9')).toBe(1);
+    expect(l.request('p1#3', 'cc').kind).toBe('new');
   });
 
   it('revoking a grant removes every binding of it; one still binding is cancelled and its binder is told', async () => {
@@ -167,6 +181,29 @@ describe('WindowKeyCache (requester side)', () => {
     // A refused grant is asked for again next time (the holder may have room by then).
     expect(c.get(tok(1))).toBeInstanceOf(Promise);
     expect(sent).toHaveLength(3);
+  });
+
+  it('closing is a session error, running out of windows is backpressure', () => {
+    expect(refusal('closing', 'bye')).toBeInstanceOf(SessionInvalidatedError);
+    expect(refusal('no-windows', 'ENOMEM')).toBeInstanceOf(ResourceExhaustedError);
+    expect(refusal('bind-failed', 'x')).toBeInstanceOf(RemoteRejectedError);
+  });
+
+  it('keeps at most maxInFlight BINDs outstanding and sends the rest as answers come', async () => {
+    const sent: number[] = [];
+    const c = new WindowKeyCache(1, (id) => sent.push(id), 3);
+    const all = Array.from({ length: 10 }, (_, i) => c.get(tok(100 + i)) as Promise<unknown>);
+    expect(sent).toHaveLength(3);
+    expect(c.inFlight).toBe(3);
+    // An answer for a request not sent yet is a protocol error.
+    expect(c.onBound(sent[2] as number + 1, [1])).toBeInstanceOf(ConnectionBrokenError);
+    for (let i = 0; i < 10; i++) {
+      expect(c.inFlight).toBeLessThanOrEqual(3);
+      c.onBound(sent[i] as number, [i]);
+    }
+    await Promise.all(all);
+    expect(sent).toHaveLength(10);
+    expect(c.inFlight).toBe(0);
   });
 
   it('UNBIND marks the keys revoked for transfers that hold them and drops them from the cache', async () => {
