@@ -278,15 +278,20 @@ export class WindowKeyCache {
     return p;
   }
 
-  /** BOUND arrived. Returns a protocol error to break the connection with, or undefined. */
-  onBound(requestId: number, rkeys: readonly number[]): TensorwireError | undefined {
+  /** The BIND an answer is for, taken off the waiting list; undefined when none was sent. */
+  #take(requestId: number): Waiting | undefined {
     const w = this.#waiting.get(requestId);
-    if (!w || this.#queued.some((q) => q.requestId === requestId)) {
-      return new ConnectionBrokenError(`the holder answered BIND request ${requestId}, which is not pending`);
-    }
+    if (!w || this.#queued.some((q) => q.requestId === requestId)) return undefined;
     this.#waiting.delete(requestId);
     this.#inflight.delete(w.token);
     this.#answered();
+    return w;
+  }
+
+  /** BOUND arrived. Returns a protocol error to break the connection with, or undefined. */
+  onBound(requestId: number, rkeys: readonly number[]): TensorwireError | undefined {
+    const w = this.#take(requestId);
+    if (!w) return new ConnectionBrokenError(`the holder answered BIND request ${requestId}, which is not pending`);
     if (rkeys.length !== this.#queuePairs) {
       const e = new ConnectionBrokenError(`the holder bound ${rkeys.length} windows for ${this.#queuePairs} queue pairs`);
       w.reject(e);
@@ -300,13 +305,8 @@ export class WindowKeyCache {
 
   /** REFUSE arrived. Returns a protocol error to break the connection with, or undefined. */
   onRefused(requestId: number, code: string, message: string): TensorwireError | undefined {
-    const w = this.#waiting.get(requestId);
-    if (!w || this.#queued.some((q) => q.requestId === requestId)) {
-      return new ConnectionBrokenError(`the holder refused BIND request ${requestId}, which is not pending`);
-    }
-    this.#waiting.delete(requestId);
-    this.#inflight.delete(w.token);
-    this.#answered();
+    const w = this.#take(requestId);
+    if (!w) return new ConnectionBrokenError(`the holder refused BIND request ${requestId}, which is not pending`);
     w.reject(refusal(code, message));
     return undefined;
   }

@@ -9,21 +9,17 @@ import {
   ConnectionBrokenError,
   InvalidInputError,
   RemoteRejectedError,
-  ResourceExhaustedError,
   TimedOutError,
-  silentLogger,
-  type NodeIdentity,
   type TransferChunk,
   type TransportConnection,
-  type TransportHost,
 } from '@tensorwire/core';
-import { afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { describeTransportConformance } from '@tensorwire/core/testing';
 import { capabilities } from '../src/capabilities.js';
 import { loadNative, type NativeCounters } from '../src/native.js';
 import { RdmaTransport, type RdmaConnection, type RdmaTransportOptions } from '../src/transport.js';
-import { tokenHex } from '../src/windows.js';
-import { decodeEndpoint, decodeGrant, encodeGrant } from '../src/wire.js';
+import { decodeEndpoint } from '../src/wire.js';
+import { describeWindowGrants, opts, testNodes } from './window-suite.js';
 
 const caps = capabilities();
 const skipReason = caps.available ? undefined : `no usable RDMA device: ${caps.reason ?? 'unknown'}`;
@@ -39,49 +35,8 @@ describeTransportConformance({
 
 // ------------------------------------------------------------ transport-level hardware tests
 
-let nodeN = 0;
-function identity(): NodeIdentity {
-  nodeN++;
-  return { nodeId: `rdma-hw-${nodeN}`, incarnation: `inc${nodeN}`, hostId: 'hw' };
-}
-
-interface Node {
-  readonly t: RdmaTransport;
-  readonly host: TransportHost;
-  readonly inbound: TransportConnection[];
-}
-
-const started: RdmaTransport[] = [];
-async function node(qps = 2, extra: Partial<RdmaTransportOptions> = {}): Promise<Node> {
-  const inbound: TransportConnection[] = [];
-  const host: TransportHost = { identity: identity(), logger: silentLogger, inbound: (c) => inbound.push(c) };
-  const t = new RdmaTransport({
-    ...(device ? { device } : {}),
-    queuePairsPerPeer: qps,
-    listenHost: '127.0.0.1',
-    advertiseHost: '127.0.0.1',
-    quiesceTimeoutMs: 30_000,
-    ...extra,
-  });
-  await t.start(host);
-  started.push(t);
-  return { t, host, inbound };
-}
-
-afterEach(async () => {
-  await Promise.all(started.splice(0).map((t) => t.close()));
-});
-
-function opts(ms = 10_000): { signal: AbortSignal; deadline: number } {
-  return { signal: new AbortController().signal, deadline: Date.now() + ms };
-}
-
-async function pair(qps = 2, extra: Partial<RdmaTransportOptions> = {}): Promise<{ a: Node; b: Node; conn: TransportConnection }> {
-  const a = await node(qps, extra);
-  const b = await node(qps, extra);
-  const conn = await a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: qps });
-  return { a, b, conn };
-}
+const makeTransport = (extra: Partial<RdmaTransportOptions>): RdmaTransport => new RdmaTransport({ ...(device ? { device } : {}), quiesceTimeoutMs: 30_000, ...extra });
+const { node, pair, closeAll } = testNodes('rdma-hw', makeTransport);
 
 function counters(): NativeCounters {
   return loadNative().counters();
@@ -239,7 +194,7 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
       const remote = a.t.decodeRemote(rr.payload, 'host', 65536);
       await conn.execute(i % 2, [{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 65536 }], opts());
       if (i % 3 === 0) await conn.close(new ConnectionBrokenError('churn'));
-      await Promise.all(started.splice(0).map((t) => t.close()));
+      await closeAll();
       expect(counters()).toMatchObject({ devices: base.devices, pds: base.pds, mrs: base.mrs, mws: base.mws, cqs: base.cqs, qps: base.qps, channels: base.channels, threads: base.threads });
     }
   });
@@ -250,111 +205,9 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
 const windowSkip = skipReason ?? (caps.memoryWindows.type2Supported ? undefined : `${device ?? 'the device'} has no type-2 memory windows (grants fall back to whole-MR rkeys)`);
 if (windowSkip && !skipReason) console.warn(`[rdma-verbs] skipping the memory-window suite: ${windowSkip}`);
 
-async function until(check: () => boolean): Promise<void> {
-  for (let i = 0; i < 500 && !check(); i++) await new Promise((r) => setTimeout(r, 10));
-  expect(check()).toBe(true);
-}
-
-describe.skipIf(windowSkip !== undefined)(`memory-window grants on ${device ?? 'no device'}`, () => {
-  const W = { grants: 'memory-window' as const };
-
-  it('descriptors carry a token, not an rkey; each requester gets windows bound to its own queue pairs', async () => {
-    const { a, b, conn } = await pair(2, W);
-    expect(a.t.grantMode).toBe('memory-window');
-    const size = 1 << 20;
-    const src = new Uint8Array(size).map((_, i) => (i * 13 + 1) & 0xff);
-    const dst = new Uint8Array(size);
-    const rr = await b.t.register({ kind: 'host', buffer: src });
-    expect(decodeGrant(rr.payload).grant).toBe('window');
-    const lr = await a.t.register({ kind: 'host', buffer: dst });
-    const remote = a.t.decodeRemote(rr.payload, 'host', size);
-    const half = size / 2;
-    await Promise.all(
-      [0, 1].map((s) => conn.execute(s, [{ op: 'read', local: lr.handle, localOffset: s * half, remote, remoteOffset: s * half, length: half }], opts())),
-    );
-    expect(Buffer.compare(Buffer.from(dst), Buffer.from(src))).toBe(0);
-    const served = b.inbound[0] as RdmaConnection;
-    expect(served.windows).toBe(2); // one per QP, bound once for both transfers
-    expect((conn as RdmaConnection).cachedGrants).toBe(1);
-    dst.fill(0x33);
-    await conn.execute(0, [{ op: 'write', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: size }], opts());
-    expect(src.every((x) => x === 0x33)).toBe(true);
-  });
-
-  it("the MR's own rkey opens nothing, and one requester's window rkey is useless on another's connection", async () => {
-    const { a, b, conn } = await pair(1, W);
-    const c = await node(1, W);
-    const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096).fill(7) });
-    const g = decodeGrant(rr.payload);
-    if (g.grant !== 'window') throw new Error('expected a window grant');
-    const la = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
-    await conn.execute(0, [{ op: 'read', local: la.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
-    const existing = b.t.windowLedger?.request(b.inbound[0] as RdmaConnection, tokenHex(g.token));
-    if (existing?.kind !== 'existing' || existing.binding.rkeys === undefined) throw new Error('expected the binding made for A');
-    const lc = await c.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
-    // C forges whole-MR grants: with the MR's own rkey, and with the window rkey bound for A.
-    for (const rkey of [(rr.handle as { rkey: number }).rkey, existing.binding.rkeys[0] as number]) {
-      const cconn = await c.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 });
-      const forged = c.t.decodeRemote(encodeGrant({ grant: 'mr', addr: g.addr, length: g.length, rkey }), 'host', 4096);
-      const err = await cconn.execute(0, [{ op: 'read', local: lc.handle, localOffset: 0, remote: forged, remoteOffset: 0, length: 4096 }], opts()).then(
-        () => undefined,
-        (e: unknown) => e,
-      );
-      expect(err).toBeInstanceOf(RemoteRejectedError);
-      await cconn.close();
-    }
-    // A's own windows still work.
-    await conn.execute(0, [{ op: 'read', local: la.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
-  });
-
-  it('revoke deallocates the windows, tells the requester, and later transfers are refused without breaking the connection', async () => {
-    const { a, b, conn } = await pair(2, W);
-    const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(8192).fill(1) });
-    const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(8192) });
-    const remote = a.t.decodeRemote(rr.payload, 'host', 8192);
-    const chunk = { op: 'read' as const, local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 8192 };
-    await conn.execute(0, [chunk], opts());
-    const base = counters().mws;
-    await b.t.revoke(rr.handle);
-    expect(counters().mws).toBe(base - 2);
-    expect((b.inbound[0] as RdmaConnection).windows).toBe(0);
-    await until(() => (conn as RdmaConnection).cachedGrants === 0); // UNBIND arrived
-    const posted = counters().postedWrs;
-    const err = await conn.execute(1, [chunk], opts()).then(
-      () => undefined,
-      (e: unknown) => e,
-    );
-    expect(err).toBeInstanceOf(RemoteRejectedError);
-    expect((err as RemoteRejectedError).remoteCode).toBe('unknown-grant');
-    expect(counters().postedWrs).toBe(posted);
-    expect(conn.isOpen).toBe(true);
-  });
-
-  it('a connection over its window budget gets backpressure, not a broken connection', async () => {
-    const { a, b, conn } = await pair(1, { ...W, maxWindowGrantsPerPeer: 1 });
-    const r1 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
-    const r2 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
-    const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
-    const read = (payload: Uint8Array): Promise<void> =>
-      conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
-    await read(r1.payload);
-    await expect(read(r2.payload)).rejects.toBeInstanceOf(ResourceExhaustedError);
-    expect(conn.isOpen).toBe(true);
-    await b.t.revoke(r1.handle); // frees the budget
-    await read(r2.payload);
-  });
-
-  it('churn with windows: MWs, QPs, CQs and MRs return to their starting counts', async () => {
-    const base = counters();
-    for (let i = 0; i < 10; i++) {
-      const { a, b, conn } = await pair(2, W);
-      const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(65536).fill(i) });
-      const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(65536) });
-      await conn.execute(i % 2, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 65536), remoteOffset: 0, length: 65536 }], opts());
-      if (i % 2 === 0) await b.t.revoke(rr.handle);
-      if (i % 3 === 0) await conn.close(new ConnectionBrokenError('churn'));
-      await Promise.all(started.splice(0).map((t) => t.close()));
-      expect(counters()).toMatchObject({ mrs: base.mrs, mws: base.mws, cqs: base.cqs, qps: base.qps, threads: base.threads });
-    }
-  });
+describeWindowGrants({
+  name: `memory-window grants on ${device ?? 'no device'}`,
+  ...(windowSkip !== undefined ? { skip: windowSkip } : {}),
+  transport: makeTransport,
+  counters,
 });
