@@ -332,12 +332,12 @@ class CudaIpcConnection implements TransportConnection {
       for (const chunk of chunks) {
         if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
         try {
-          await this.#run(chunk);
+          await this.#run(chunk, options.signal);
         } catch (e) {
           // A grant that vanished because its owner is closing or died is a broken connection.
           // A peer that is shutting down closes its connections before it revokes its
           // grants; give that close a moment to arrive before calling this a rejection.
-          if (e instanceof RemoteRejectedError && !this.#closed && this.#peerAlive()) await new Promise((r) => setTimeout(r, 5));
+          if (e instanceof RemoteRejectedError && e.remoteCode !== 'slot-rewritten' && !this.#closed && this.#peerAlive()) await new Promise((r) => setTimeout(r, 5));
           if (e instanceof RemoteRejectedError && (this.#closed !== undefined || !this.#peerAlive())) {
             const err = new ConnectionBrokenError(`peer ${this.peer.nodeId} closed its cuda-ipc transport or exited`, { cause: e });
             void this.close(err);
@@ -423,7 +423,14 @@ class CudaIpcConnection implements TransportConnection {
     return base;
   }
 
-  async #run(chunk: TransferChunk): Promise<void> {
+  /**
+   * Per transfer (the engine gives each call its own signal) and per remote registration: the
+   * pool-slot generation its first chunk was copied at. Every chunk copies under the seqlock on
+   * its own, so a transfer split into chunks is one snapshot only if all saw one generation.
+   */
+  readonly #generations = new WeakMap<AbortSignal, WeakMap<object, bigint>>();
+
+  async #run(chunk: TransferChunk, signal: AbortSignal): Promise<void> {
     const remote = chunk.remote as RemoteGrant;
     const local = chunk.local;
     if (!(local instanceof HostHandle || local instanceof CudaHandle)) throw new InvalidInputError('local handle is not a cuda-ipc registration');
@@ -454,13 +461,10 @@ class CudaIpcConnection implements TransportConnection {
         // catch a write half done. Copy under the seqlock (invariant 11); into a staging
         // buffer first when the local side is device memory.
         const at = g.offset + remoteOffset;
-        if (local instanceof HostHandle) {
-          native.seqCopyRange(base, at, length, local.buffer.subarray(localOffset, localOffset + length));
-        } else {
-          const staging = new Uint8Array(length);
-          native.seqCopyRange(base, at, length, staging);
-          await native.cudaCopy('h2d', local.device, local.pointer + BigInt(localOffset), staging, length);
-        }
+        const staging = local instanceof HostHandle ? undefined : new Uint8Array(length);
+        const generation = native.seqCopyRange(base, at, length, staging ?? (local as HostHandle).buffer.subarray(localOffset, localOffset + length));
+        this.#sameGeneration(signal, remote, generation);
+        if (staging) await native.cudaCopy('h2d', (local as CudaHandle).device, (local as CudaHandle).pointer + BigInt(localOffset), staging, length);
       } else if (base) {
         // Shared memory without a seqlock (allocateSharedMemory): plain copies.
         const remoteView = new Uint8Array(base, g.offset + remoteOffset, length);
@@ -487,6 +491,23 @@ class CudaIpcConnection implements TransportConnection {
       }
     } finally {
       native.grantLeave(g.mapping);
+    }
+  }
+
+  /** Throws when a chunk of this transfer saw another generation of the slot than an earlier one. */
+  #sameGeneration(signal: AbortSignal, remote: object, generation: bigint): void {
+    let seen = this.#generations.get(signal);
+    if (!seen) this.#generations.set(signal, (seen = new WeakMap()));
+    const first = seen.get(remote);
+    if (first === undefined) {
+      seen.set(remote, generation);
+      return;
+    }
+    if (first !== generation) {
+      throw new RemoteRejectedError(
+        `the pool slot was rewritten while this transfer read it in chunks (generation ${first} then ${generation}): the bytes mix two versions; read again`,
+        { details: { remoteCode: 'slot-rewritten' } },
+      );
     }
   }
 

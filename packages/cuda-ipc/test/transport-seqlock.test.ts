@@ -7,7 +7,7 @@
 import { fork } from 'node:child_process';
 import { once } from 'node:events';
 import { afterAll, describe, expect, it } from 'vitest';
-import { InvalidInputError, TimedOutError, TransferEngine, silentLogger } from '@tensorwire/core';
+import { InvalidInputError, RemoteRejectedError, TimedOutError, TransferEngine, defaultHostId, silentLogger, type TransportHost } from '@tensorwire/core';
 import { CudaIpcTransport, TensorPool, allocateSharedMemory } from '../src/index.js';
 import { native } from '../src/native.js';
 import { fixture, killChildren, uniqueOwner } from './helpers.js';
@@ -23,7 +23,10 @@ function uniform(a: Uint32Array): boolean {
 }
 
 describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
-  it('never returns a torn copy while the owner process writes the slot', async () => {
+  it.each([
+    ['in one chunk', undefined],
+    ['in 64 KiB chunks over 2 streams (every chunk of a read must see one generation)', 64 * 1024],
+  ])('never returns a torn copy while the owner process writes the slot, %s', async (_label, chunkBytes) => {
     const elems = 64 * 1024; // 256 KiB: a copy takes long enough to overlap writes often
     const holderNode = `sh${process.pid}`;
     const holder = fork(fixture('slot-holder.mjs'), [uniqueOwner('sh'), String(elems), holderNode], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
@@ -31,7 +34,16 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
     const endpoint = new Uint8Array(Buffer.from(ready.endpoint, 'base64'));
     const descriptor = new Uint8Array(Buffer.from(ready.descriptor, 'base64'));
     // Two requester engines (two connections to the holder), one whole-slot and one sub-range reader.
-    const engines = [0, 1].map((i) => new TransferEngine({ nodeId: `sr${i}${process.pid}`, transports: [new CudaIpcTransport()], logger: silentLogger, metrics: false }));
+    const engines = [0, 1].map(
+      (i) =>
+        new TransferEngine({
+          nodeId: `sr${i}${chunkBytes ?? 0}${process.pid}`,
+          transports: [new CudaIpcTransport()],
+          logger: silentLogger,
+          metrics: false,
+          ...(chunkBytes !== undefined ? { chunkBytes, streamsPerPeer: 2 } : {}),
+        }),
+    );
     try {
       await Promise.all(engines.map((e) => e.start()));
       const [ea, eb] = engines as [TransferEngine, TransferEngine];
@@ -43,6 +55,7 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
       const partView = new Uint32Array((part.memory as { buffer: Uint8Array }).buffer.buffer, 4, partLen / 4);
       let ok = 0;
       let timedOut = 0;
+      let rewritten = 0;
       let torn = 0;
       const seen = new Set<number>();
       for (let i = 0; i < 2000; i++) {
@@ -58,6 +71,11 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
               timedOut++;
               continue;
             }
+            // A read split into chunks that saw two generations is refused, never returned.
+            if (chunkBytes !== undefined && err instanceof RemoteRejectedError && err.remoteCode === 'slot-rewritten') {
+              rewritten++;
+              continue;
+            }
             throw err;
           }
           ok++;
@@ -68,15 +86,65 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
       holder.send({ op: 'stop' });
       const [{ writes }] = (await once(holder, 'message')) as [{ writes: number }];
       await once(holder, 'exit');
-      expect(torn, `torn reads (${ok} successful, ${timedOut} timed out, ${writes} writes)`).toBe(0);
-      expect(ok).toBeGreaterThan(3000);
+      expect(torn, `torn reads (${ok} successful, ${timedOut} timed out, ${rewritten} refused as rewritten, ${writes} writes)`).toBe(0);
+      expect(ok + timedOut + rewritten).toBe(4000);
+      if (chunkBytes === undefined) expect(ok).toBeGreaterThan(3000);
+      else expect(ok).toBeGreaterThan(0); // some chunked reads did succeed, and were checked
       // The reads really overlapped many different writes (otherwise the test proves nothing).
       expect(writes).toBeGreaterThan(100);
-      expect(seen.size).toBeGreaterThan(10);
-      console.info(`transport seqlock: ${ok} reads, ${timedOut} timed out, ${seen.size} values seen, ${writes} writes`);
+      if (chunkBytes === undefined) expect(seen.size).toBeGreaterThan(10);
+      console.info(`transport seqlock ${chunkBytes ?? 'whole'}: ${ok} reads, ${timedOut} timed out, ${rewritten} refused as rewritten, ${seen.size} values seen, ${writes} writes`);
     } finally {
       holder.kill('SIGKILL');
       await Promise.all(engines.map((e) => e.close()));
+    }
+  });
+
+  it('a transfer whose chunks see two generations of the slot is refused; each new transfer starts afresh', async () => {
+    const pool = new TensorPool({ owner: uniqueOwner('sg') });
+    const hosts: TransportHost[] = ['ga', 'gb'].map((n) => ({ identity: { nodeId: `${n}${process.pid}`, incarnation: `i${n}`, hostId: defaultHostId() }, logger: silentLogger, inbound: () => undefined }));
+    const [ta, tb] = [new CudaIpcTransport(), new CudaIpcTransport()];
+    try {
+      await ta.start(hosts[0] as TransportHost);
+      await tb.start(hosts[1] as TransportHost);
+      const id = await pool.register({ dtype: 'uint8', shape: [8192] });
+      pool.writeSync(id, new Uint8Array(8192).fill(1));
+      const view = pool.readSync(id);
+      const reg = await tb.register({ kind: 'host', buffer: view.buffer as Uint8Array });
+      const dst = new Uint8Array(8192);
+      const local = await ta.register({ kind: 'host', buffer: dst });
+      const remote = ta.decodeRemote(reg.payload, 'host', 8192);
+      const deadline = Date.now() + 10_000;
+      const conn = await ta.connect((hosts[1] as TransportHost).identity, tb.endpoint(), { signal: new AbortController().signal, deadline, streams: 2 });
+      const half = (at: number): { op: 'read'; local: object; localOffset: number; remote: unknown; remoteOffset: number; length: number } => ({
+        op: 'read',
+        local: local.handle,
+        localOffset: at,
+        remote,
+        remoteOffset: at,
+        length: 4096,
+      });
+      // One transfer (one signal): first half, then the owner rewrites the slot, then the second half.
+      const transfer = new AbortController().signal;
+      await conn.execute(0, [half(0)], { signal: transfer, deadline });
+      pool.writeSync(id, new Uint8Array(8192).fill(2));
+      const err = await conn.execute(1, [half(4096)], { signal: transfer, deadline }).then(
+        () => undefined,
+        (e: unknown) => e,
+      );
+      expect(err).toBeInstanceOf(RemoteRejectedError);
+      expect((err as RemoteRejectedError).remoteCode).toBe('slot-rewritten');
+      // A new transfer reads the new version whole.
+      const again = new AbortController().signal;
+      await conn.execute(0, [half(0)], { signal: again, deadline });
+      await conn.execute(1, [half(4096)], { signal: again, deadline });
+      expect(dst.every((x) => x === 2)).toBe(true);
+      await conn.close();
+      await tb.revoke(reg.handle);
+      view.dispose();
+    } finally {
+      await Promise.all([ta.close(), tb.close()]);
+      await pool.close();
     }
   });
 
