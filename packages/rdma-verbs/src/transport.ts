@@ -754,8 +754,9 @@ export class RdmaConnection implements TransportConnection {
       return;
     }
     const reg = r.grant as RdmaRegistration;
-    if (this.#bindSlots === 0) await new Promise<void>((resolve) => this.#bindWaiters.push(resolve));
-    this.#bindSlots--;
+    // A slot is taken here, or handed over by the bind that frees it (never both).
+    if (this.#bindSlots > 0) this.#bindSlots--;
+    else await new Promise<void>((resolve) => this.#bindWaiters.push(resolve));
     try {
       const rkeys = await this.#bindWindows(b, reg);
       if (ledger.complete(b, rkeys)) {
@@ -769,10 +770,11 @@ export class RdmaConnection implements TransportConnection {
       this.#deallocWindows(b.windows);
       ledger.fail(b);
       const err = toTensorwireError(e);
-      refuse(err instanceof ResourceExhaustedError ? 'no-windows' : 'bind-failed', err.message);
+      refuse(reg.revoked ? 'unknown-grant' : err instanceof ResourceExhaustedError ? 'no-windows' : 'bind-failed', err.message);
     } finally {
-      this.#bindSlots++;
-      this.#bindWaiters.shift()?.();
+      const next = this.#bindWaiters.shift();
+      if (next) next();
+      else this.#bindSlots++;
     }
   }
 
