@@ -3,12 +3,15 @@ export interface Deferred<T> {
   resolve(value: T): void;
   reject(error: unknown): void;
   readonly settled: boolean;
+  /** Resolved (not rejected). */
+  readonly fulfilled: boolean;
 }
 
 export function deferred<T>(): Deferred<T> {
   let resolve!: (v: T) => void;
   let reject!: (e: unknown) => void;
   let settled = false;
+  let fulfilled = false;
   const promise = new Promise<T>((res, rej) => {
     resolve = res;
     reject = rej;
@@ -20,6 +23,7 @@ export function deferred<T>(): Deferred<T> {
     resolve(v) {
       if (settled) return;
       settled = true;
+      fulfilled = true;
       resolve(v);
     },
     reject(e) {
@@ -29,6 +33,9 @@ export function deferred<T>(): Deferred<T> {
     },
     get settled() {
       return settled;
+    },
+    get fulfilled() {
+      return fulfilled;
     },
   };
 }

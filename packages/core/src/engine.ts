@@ -50,6 +50,23 @@ import {
   type TransportHost,
 } from './transport.js';
 
+
+/** Decoded values of byte blobs, by blob object; a blob whose bytes changed since is decoded again. */
+class DecodeCache<T> {
+  readonly #entries = new WeakMap<Uint8Array, { readonly copy: Buffer; readonly value: T }>();
+  readonly #decode: (bytes: Uint8Array) => T;
+  constructor(decode: (bytes: Uint8Array) => T) {
+    this.#decode = decode;
+  }
+  get(bytes: Uint8Array): T {
+    const hit = this.#entries.get(bytes);
+    if (hit !== undefined && hit.copy.equals(bytes)) return hit.value;
+    const value = this.#decode(bytes);
+    this.#entries.set(bytes, { copy: Buffer.from(bytes), value });
+    return value;
+  }
+}
+
 export interface TransferEngineOptions {
   /** This node's id: an owner name (letters, digits, `_`, `-`). Stable across restarts. */
   nodeId: string;
@@ -465,21 +482,32 @@ export class TransferEngine {
     };
   }
 
-  readonly #peerCache = new WeakMap<Uint8Array, PeerEndpoint>();
+  readonly #peerCache = new DecodeCache(decodeEndpoint);
+  readonly #descriptorCache = new DecodeCache(decodeDescriptor);
+  /**
+   * Per endpoint the engine decoded and memory kinds: the transport choice for transfers
+   * (transports are fixed at construction, and a changed endpoint blob decodes to a new object).
+   */
+  readonly #choiceCache = new WeakMap<PeerEndpoint, Map<string, Explanation>>();
   #peer(peer: Uint8Array | PeerEndpoint): PeerEndpoint {
     if (peer instanceof Uint8Array) {
-      let ep = this.#peerCache.get(peer);
-      if (!ep) {
-        ep = decodeEndpoint(peer);
-        this.#peerCache.set(peer, ep);
-      }
-      return ep;
+      return this.#peerCache.get(peer);
     }
     if (typeof peer !== 'object' || peer === null || !(peer.transports instanceof Map)) {
       throw new InvalidInputError('peer must be an endpoint blob or a decoded PeerEndpoint', { details: { field: 'peer' } });
     }
     assertOwner(peer.identity?.nodeId);
     return peer;
+  }
+
+  /** The transport for a transfer: #explain, remembered per endpoint object and memory kinds. */
+  #choice(ep: PeerEndpoint, kinds: ReadonlySet<MemoryKind>): Explanation {
+    const key = [...kinds].join('+');
+    let byKinds = this.#choiceCache.get(ep);
+    if (!byKinds) this.#choiceCache.set(ep, (byKinds = new Map()));
+    let ex = byKinds.get(key);
+    if (!ex) byKinds.set(key, (ex = this.#explain(ep, [...kinds])));
+    return ex;
   }
 
   #explain(ep: PeerEndpoint, kinds: readonly MemoryKind[]): Explanation {
@@ -587,7 +615,7 @@ export class TransferEngine {
     const decoded: MemoryDescriptor[] = [];
     for (const [i, r] of requests.entries()) {
       if (!(r?.local instanceof Registration)) throw new InvalidInputError(`requests[${i}].local must be a Registration of this engine`, { details: { field: 'local' } });
-      const remote = r.remote instanceof Uint8Array ? decodeDescriptor(r.remote) : r.remote;
+      const remote = r.remote instanceof Uint8Array ? this.#descriptorCache.get(r.remote) : r.remote;
       if (typeof remote !== 'object' || remote === null || !(remote.transports instanceof Map)) {
         throw new InvalidInputError(`requests[${i}].remote must be a descriptor`, { details: { field: 'remote' } });
       }
@@ -595,7 +623,8 @@ export class TransferEngine {
       kinds.add(r.local.memoryKind);
       kinds.add(remote.memoryKind);
     }
-    const ex = this.#explain(ep, [...kinds]);
+    // Endpoints decoded here are the engine's own objects; a caller's PeerEndpoint may change.
+    const ex = peerArg instanceof Uint8Array ? this.#choice(ep, kinds) : this.#explain(ep, [...kinds]);
     if (!ex.chosen) throw new BackendUnavailableError(ex.reason, { details: { peer: ep.identity.nodeId } });
     const transport = this.#transports.get(ex.chosen) as Transport;
     const prepared = requests.map((r, i) => this.#prepare(transport, ep, r, decoded[i] as MemoryDescriptor, i));
@@ -735,6 +764,8 @@ export class TransferEngine {
       this.#invalidateEntry(pc, pc.conn, new ConnectionBrokenError('connection closed'));
       pc = undefined;
     }
+    // The common case: an established connection, nothing to wait for.
+    if (pc?.ready.fulfilled === true && !signal.aborted) return pc;
     if (!pc) {
       pc = new PeerConnection(key, ep.identity, t);
       this.#table.set(key, pc);

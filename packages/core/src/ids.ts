@@ -147,7 +147,8 @@ export class IdRegistry<V, K extends IdKind = IdKind> implements Iterable<[strin
     return isValidId(id, this.kind) && this.#map.has(id);
   }
   get(id: string): V | undefined {
-    return isValidId(id, this.kind) ? this.#map.get(id) : undefined;
+    // set() stores only valid ids, so a malformed id simply misses: no need to parse it here.
+    return this.#map.get(id);
   }
   set(id: string, value: V): this {
     this.#map.set(this.#key(id), value);

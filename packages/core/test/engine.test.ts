@@ -40,6 +40,29 @@ describe('transfer engine', () => {
     await b.close();
   });
 
+  it('a descriptor or endpoint blob reused after its bytes changed is decoded again, not served from a cache', async () => {
+    const { a, b } = await pair(() => [new MemTransport()]);
+    const one = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(1) });
+    const two = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(2) });
+    expect(two.descriptor.length).toBe(one.descriptor.length);
+    const dst = new Uint8Array(64);
+    const ra = await a.register({ kind: 'host', buffer: dst });
+    const descriptor = one.descriptor.slice();
+    const endpoint = b.endpoint().slice();
+    await a.read(endpoint, [{ local: ra, remote: descriptor }]);
+    expect(dst.every((x) => x === 1)).toBe(true);
+    await a.read(endpoint, [{ local: ra, remote: descriptor }]); // the cached decode
+    expect(dst.every((x) => x === 1)).toBe(true);
+    descriptor.set(two.descriptor); // same object, other bytes
+    await a.read(endpoint, [{ local: ra, remote: descriptor }]);
+    expect(dst.every((x) => x === 2)).toBe(true);
+    // An endpoint blob rewritten to garbage is decoded again, and refused.
+    endpoint.fill(0);
+    await expect(a.read(endpoint, [{ local: ra, remote: descriptor }])).rejects.toBeInstanceOf(InvalidInputError);
+    await a.close();
+    await b.close();
+  });
+
   it('caps the chunk size by the transport\'s maxChunkBytes', async () => {
     const { a, b, ta } = await pair(() => [new MemTransport({ maxChunkBytes: 100 })], { chunkBytes: 1000 });
     const rb = await b.register({ kind: 'host', buffer: new Uint8Array(250) });
