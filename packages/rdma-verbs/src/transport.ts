@@ -151,6 +151,13 @@ const BIND_SLOTS = 4;
 const MAX_PENDING_BINDS = MAX_BINDS_IN_FLIGHT;
 /** Control bytes queued to a peer that does not read them before the connection is dropped. */
 const MAX_CONTROL_BACKLOG = 1 << 20;
+/** Inbound handshakes at once (each holds a CQ and its QPs until READY or its deadline). */
+const MAX_INBOUND_HANDSHAKES = 64;
+/**
+ * Connections one peer incarnation may have open to this node. The engine keeps one per peer
+ * (two for a moment while a simultaneous open settles); more is a misbehaving peer.
+ */
+const MAX_CONNECTIONS_PER_PEER = 8;
 
 /** A registration's handle: opaque to the engine. */
 class RdmaRegistration {
@@ -1451,10 +1458,21 @@ export class RdmaTransport implements Transport {
       socket.destroy();
       return;
     }
+    if (this.#inboundHandshakes >= MAX_INBOUND_HANDSHAKES) {
+      this.logger.warn('rdma: too many inbound handshakes at once; dropping a connection attempt', { limit: MAX_INBOUND_HANDSHAKES });
+      socket.destroy();
+      return;
+    }
+    this.#inboundHandshakes++;
     this.#handshakes.add(socket);
     const control = new Control(socket);
-    void this.#acceptHandshake(control).finally(() => this.#handshakes.delete(socket));
+    void this.#acceptHandshake(control).finally(() => {
+      this.#inboundHandshakes--;
+      this.#handshakes.delete(socket);
+    });
   }
+
+  #inboundHandshakes = 0;
 
   async #acceptHandshake(control: Control): Promise<void> {
     const deadline = Date.now() + (this.#options.handshakeTimeoutMs ?? 10_000);
@@ -1470,6 +1488,10 @@ export class RdmaTransport implements Transport {
       const { device, native, host } = this.#requireStarted();
       if (hello.target.nodeId !== host.identity.nodeId || hello.target.incarnation !== host.identity.incarnation) {
         return reject('stale-endpoint', `this is ${host.identity.nodeId}/${host.identity.incarnation}, not ${hello.target.nodeId}/${hello.target.incarnation}`);
+      }
+      const open = this.#connections.get(`${hello.setup.identity.nodeId}/${hello.setup.identity.incarnation}`)?.size ?? 0;
+      if (open >= MAX_CONNECTIONS_PER_PEER) {
+        return reject('too-many-connections', `${hello.setup.identity.nodeId} already has ${open} connections to this node`);
       }
       const problem = this.#checkRemoteSetup(hello.setup, this.queuePairsPerPeer);
       if (problem) return reject(String(problem.details['remoteCode'] ?? problem.code), problem.message);

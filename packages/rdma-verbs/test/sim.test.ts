@@ -196,6 +196,23 @@ describe('memory-window grants over simulated verbs', () => {
 
 });
 
+describe('admission over simulated verbs', () => {
+  it('a peer may hold at most 8 connections; the ninth is refused with a typed error and creates nothing', async () => {
+    const { a, b } = await pair(1);
+    const extra: RdmaConnection[] = [];
+    for (let i = 0; i < 7; i++) extra.push((await a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 })) as RdmaConnection);
+    await until(() => b.t.connectionCount() === 8); // the acceptor adopts each after READY
+    const qps = fabric.counters.qps;
+    const err = await failure(a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 }));
+    expect(err).toBeInstanceOf(RemoteRejectedError);
+    expect((err as RemoteRejectedError).remoteCode).toBe('too-many-connections');
+    expect(fabric.counters.qps).toBe(qps);
+    await extra[0]?.close();
+    await until(() => b.t.connectionCount() === 7);
+    await a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 }); // room again
+  });
+});
+
 describe('memory-region grants over simulated verbs', () => {
   it('the descriptor carries the MR rkey; revoke deregisters it and later reads are refused', async () => {
     const { a, b, conn } = await pair(1, { grants: 'memory-region' });
