@@ -53,16 +53,19 @@ import {
 
 /** Decoded values of byte blobs, by blob object; a blob whose bytes changed since is decoded again. */
 class DecodeCache<T> {
-  readonly #entries = new WeakMap<Uint8Array, { readonly copy: Buffer; readonly value: T }>();
+  readonly #entries = new WeakMap<Uint8Array, { readonly copy: Uint8Array; readonly value: T }>();
   readonly #decode: (bytes: Uint8Array) => T;
   constructor(decode: (bytes: Uint8Array) => T) {
     this.#decode = decode;
   }
   get(bytes: Uint8Array): T {
     const hit = this.#entries.get(bytes);
-    if (hit !== undefined && hit.copy.equals(bytes)) return hit.value;
-    const value = this.#decode(bytes);
-    this.#entries.set(bytes, { copy: Buffer.from(bytes), value });
+    if (hit !== undefined && hit.copy.length === bytes.length && Buffer.compare(hit.copy, bytes) === 0) return hit.value;
+    // Decode the private copy (its own exact-size buffer, not a slab of Node's pool): a blob in
+    // shared memory may change while it is read, and the copy is what later calls compare to.
+    const copy = new Uint8Array(bytes);
+    const value = this.#decode(copy);
+    this.#entries.set(bytes, { copy, value });
     return value;
   }
 }
@@ -438,6 +441,7 @@ export class TransferEngine {
 
   /** Drop every connection to `nodeId` (all transports) in one step each; in-flight work fails with `reason`. */
   async invalidate(nodeId: string, reason = 'invalidated by caller'): Promise<void> {
+    this.#choiceCache = new WeakMap();
     const victims: PeerConnection[] = [];
     for (const [key, pc] of this.#table) {
       if (pc.peer.nodeId === nodeId) {
@@ -488,7 +492,7 @@ export class TransferEngine {
    * Per endpoint the engine decoded and memory kinds: the transport choice for transfers
    * (transports are fixed at construction, and a changed endpoint blob decodes to a new object).
    */
-  readonly #choiceCache = new WeakMap<PeerEndpoint, Map<string, Explanation>>();
+  #choiceCache = new WeakMap<PeerEndpoint, Map<string, Explanation>>();
   #peer(peer: Uint8Array | PeerEndpoint): PeerEndpoint {
     if (peer instanceof Uint8Array) {
       return this.#peerCache.get(peer);
@@ -714,9 +718,10 @@ export class TransferEngine {
       }
     }
     pc.inFlight++;
+    const transfer = {}; // this transfer's identity for the transport (ExecuteOptions.transfer)
     try {
       const results = await Promise.allSettled(
-        perStream.map((chunks, stream) => (chunks.length === 0 ? Promise.resolve() : this.#execute(pc, conn, stream, chunks, signal, deadline))),
+        perStream.map((chunks, stream) => (chunks.length === 0 ? Promise.resolve() : this.#execute(pc, conn, stream, chunks, signal, deadline, transfer))),
       );
       // Every stream has settled (quiesced) before we report anything.
       const failures = results.filter((r): r is PromiseRejectedResult => r.status === 'rejected').map((r) => toTensorwireError(r.reason));
@@ -731,11 +736,11 @@ export class TransferEngine {
     }
   }
 
-  async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, chunks: TransferChunk[], signal: AbortSignal, deadline: number): Promise<void> {
+  async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, chunks: TransferChunk[], signal: AbortSignal, deadline: number, transfer: object): Promise<void> {
     let backoff = 1;
     for (;;) {
       try {
-        await conn.execute(stream, chunks, { signal, deadline });
+        await conn.execute(stream, chunks, { signal, deadline, transfer });
         return;
       } catch (e) {
         // Invariant 5: local exhaustion backs off and keeps the connection.
@@ -922,6 +927,8 @@ export class TransferEngine {
 
   #invalidateEntry(pc: PeerConnection, conn: TransportConnection, error: TensorwireError): void {
     if (this.#table.get(pc.key) === pc && pc.conn === conn) this.#table.delete(pc.key);
+    // A broken connection may mean reachability changed: choose transports afresh.
+    this.#choiceCache = new WeakMap();
     this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event: 'invalidated' });
     void conn.close(error).catch(() => undefined);
   }

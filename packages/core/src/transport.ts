@@ -99,6 +99,13 @@ export interface ExecuteOptions {
   readonly signal: AbortSignal;
   /** Absolute deadline, `Date.now()` milliseconds. */
   readonly deadline: number;
+  /**
+   * One object per engine transfer, the same for every `execute` call (every stream, every
+   * retry) of that transfer, and never reused. A transport that must treat a transfer's chunks
+   * as a whole (one snapshot of a seqlocked source, say) keys on it. Absent when the caller is
+   * not the engine: then each `execute` call is its own transfer.
+   */
+  readonly transfer?: object;
 }
 
 export interface ConnectOptions extends ExecuteOptions {
@@ -169,7 +176,11 @@ export interface Transport {
   start(host: TransportHost): Promise<void>;
   /** The blob a peer needs to connect to this node over this transport (address, port, GID…). */
   endpoint(): Uint8Array;
-  /** Why this transport cannot reach `peer` at `endpoint` (e.g. "different host"), or undefined. */
+  /**
+   * Why this transport cannot reach `peer` at `endpoint` (e.g. "different host"), or undefined.
+   * It should depend only on the peer, the endpoint and the transport's configuration: the
+   * engine remembers the answer per endpoint until a connection breaks or the peer is invalidated.
+   */
   unreachableReason(peer: NodeIdentity, endpoint: Uint8Array): string | undefined;
   /** Register local memory for remote access. Throws InvalidInputError for an unsupported kind. */
   register(memory: Memory): Promise<TransportRegistration>;

@@ -328,11 +328,14 @@ class CudaIpcConnection implements TransportConnection {
       throw err;
     }
     this.#inflight++;
+    // The engine names the transfer (shared by its streams and retries); a direct caller's
+    // execute() call is a transfer of its own.
+    const transfer = options.transfer ?? {};
     try {
       for (const chunk of chunks) {
         if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
         try {
-          await this.#run(chunk, options.signal);
+          await this.#run(chunk, transfer);
         } catch (e) {
           // A grant that vanished because its owner is closing or died is a broken connection.
           // A peer that is shutting down closes its connections before it revokes its
@@ -424,13 +427,14 @@ class CudaIpcConnection implements TransportConnection {
   }
 
   /**
-   * Per transfer (the engine gives each call its own signal) and per remote registration: the
-   * pool-slot generation its first chunk was copied at. Every chunk copies under the seqlock on
-   * its own, so a transfer split into chunks is one snapshot only if all saw one generation.
+   * Per transfer and per grant: the pool-slot generation each byte range was last copied at.
+   * Every chunk copies under the seqlock on its own, so the transfer's bytes of one slot are
+   * one snapshot only if all its ranges were copied at one generation. A range copied again
+   * (the engine retrying chunks) replaces its earlier copy.
    */
-  readonly #generations = new WeakMap<AbortSignal, WeakMap<object, bigint>>();
+  readonly #generations = new WeakMap<object, Map<string, Map<string, bigint>>>();
 
-  async #run(chunk: TransferChunk, signal: AbortSignal): Promise<void> {
+  async #run(chunk: TransferChunk, transfer: object): Promise<void> {
     const remote = chunk.remote as RemoteGrant;
     const local = chunk.local;
     if (!(local instanceof HostHandle || local instanceof CudaHandle)) throw new InvalidInputError('local handle is not a cuda-ipc registration');
@@ -463,7 +467,7 @@ class CudaIpcConnection implements TransportConnection {
         const at = g.offset + remoteOffset;
         const staging = local instanceof HostHandle ? undefined : new Uint8Array(length);
         const generation = native.seqCopyRange(base, at, length, staging ?? (local as HostHandle).buffer.subarray(localOffset, localOffset + length));
-        this.#sameGeneration(signal, remote, generation);
+        this.#sameGeneration(transfer, remote.grantName, `${remoteOffset}+${length}`, generation);
         if (staging) await native.cudaCopy('h2d', (local as CudaHandle).device, (local as CudaHandle).pointer + BigInt(localOffset), staging, length);
       } else if (base) {
         // Shared memory without a seqlock (allocateSharedMemory): plain copies.
@@ -494,20 +498,20 @@ class CudaIpcConnection implements TransportConnection {
     }
   }
 
-  /** Throws when a chunk of this transfer saw another generation of the slot than an earlier one. */
-  #sameGeneration(signal: AbortSignal, remote: object, generation: bigint): void {
-    let seen = this.#generations.get(signal);
-    if (!seen) this.#generations.set(signal, (seen = new WeakMap()));
-    const first = seen.get(remote);
-    if (first === undefined) {
-      seen.set(remote, generation);
-      return;
-    }
-    if (first !== generation) {
-      throw new RemoteRejectedError(
-        `the pool slot was rewritten while this transfer read it in chunks (generation ${first} then ${generation}): the bytes mix two versions; read again`,
-        { details: { remoteCode: 'slot-rewritten' } },
-      );
+  /** Throws when this transfer holds ranges of the slot copied at different generations. */
+  #sameGeneration(transfer: object, grant: string, range: string, generation: bigint): void {
+    let byGrant = this.#generations.get(transfer);
+    if (!byGrant) this.#generations.set(transfer, (byGrant = new Map()));
+    let ranges = byGrant.get(grant);
+    if (!ranges) byGrant.set(grant, (ranges = new Map()));
+    ranges.set(range, generation);
+    for (const other of ranges.values()) {
+      if (other !== generation) {
+        throw new RemoteRejectedError(
+          `the pool slot was rewritten while this transfer read it in parts (generations ${other} and ${generation}): the bytes would mix two versions; read again`,
+          { details: { remoteCode: 'slot-rewritten' } },
+        );
+      }
     }
   }
 

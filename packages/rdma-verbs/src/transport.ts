@@ -151,7 +151,7 @@ const BIND_SLOTS = 4;
 const MAX_PENDING_BINDS = MAX_BINDS_IN_FLIGHT;
 /** Control bytes queued to a peer that does not read them before the connection is dropped. */
 const MAX_CONTROL_BACKLOG = 1 << 20;
-/** Inbound handshakes at once (each holds a CQ and its QPs until READY or its deadline). */
+/** Inbound handshakes past HELLO at once (each holds a CQ and its QPs until READY or its deadline). */
 const MAX_INBOUND_HANDSHAKES = 64;
 /**
  * Connections one peer incarnation may have open to this node. The engine keeps one per peer
@@ -1428,7 +1428,10 @@ export class RdmaTransport implements Transport {
       control.send({ type: 'hello', setup: this.#setup(q), target: { nodeId: peer.nodeId, incarnation: peer.incarnation } });
       const reply = await control.next(options.signal, options.deadline, `rdma handshake with ${peer.nodeId}`);
       if (reply.type === 'reject') {
-        throw new RemoteRejectedError(`${peer.nodeId} rejected the rdma connection: ${reply.message}`, { details: { remoteCode: reply.code } });
+        const message = `${peer.nodeId} rejected the rdma connection: ${reply.message}`;
+        // 'busy' is backpressure (too many handshakes at the peer right now): try again later.
+        if (reply.code === 'busy') throw new ResourceExhaustedError(message, { details: { remoteCode: reply.code } });
+        throw new RemoteRejectedError(message, { details: { remoteCode: reply.code } });
       }
       if (reply.type !== 'accept') throw new ConnectionBrokenError(`rdma handshake: expected accept, got ${reply.type}`);
       const remote = reply.setup;
@@ -1458,25 +1461,19 @@ export class RdmaTransport implements Transport {
       socket.destroy();
       return;
     }
-    if (this.#inboundHandshakes >= MAX_INBOUND_HANDSHAKES) {
-      this.logger.warn('rdma: too many inbound handshakes at once; dropping a connection attempt', { limit: MAX_INBOUND_HANDSHAKES });
-      socket.destroy();
-      return;
-    }
-    this.#inboundHandshakes++;
     this.#handshakes.add(socket);
     const control = new Control(socket);
-    void this.#acceptHandshake(control).finally(() => {
-      this.#inboundHandshakes--;
-      this.#handshakes.delete(socket);
-    });
+    void this.#acceptHandshake(control).finally(() => this.#handshakes.delete(socket));
   }
 
-  #inboundHandshakes = 0;
+  /** Inbound handshakes past HELLO (queues exist), in all and per peer incarnation. */
+  #admitted = 0;
+  readonly #admittedByPeer = new Map<string, number>();
 
   async #acceptHandshake(control: Control): Promise<void> {
     const deadline = Date.now() + (this.#options.handshakeTimeoutMs ?? 10_000);
     let q: Queues | undefined;
+    let admitted: string | undefined;
     const reject = (code: string, message: string): void => {
       control.send({ type: 'reject', code, message });
       control.socket.end();
@@ -1489,10 +1486,18 @@ export class RdmaTransport implements Transport {
       if (hello.target.nodeId !== host.identity.nodeId || hello.target.incarnation !== host.identity.incarnation) {
         return reject('stale-endpoint', `this is ${host.identity.nodeId}/${host.identity.incarnation}, not ${hello.target.nodeId}/${hello.target.incarnation}`);
       }
-      const open = this.#connections.get(`${hello.setup.identity.nodeId}/${hello.setup.identity.incarnation}`)?.size ?? 0;
+      // Admission, before any queue exists: connections a peer has plus those it is opening.
+      const peerKey = `${hello.setup.identity.nodeId}/${hello.setup.identity.incarnation}`;
+      const open = (this.#connections.get(peerKey)?.size ?? 0) + (this.#admittedByPeer.get(peerKey) ?? 0);
       if (open >= MAX_CONNECTIONS_PER_PEER) {
-        return reject('too-many-connections', `${hello.setup.identity.nodeId} already has ${open} connections to this node`);
+        return reject('too-many-connections', `${hello.setup.identity.nodeId} already has ${open} connections to this node (open or opening)`);
       }
+      if (this.#admitted >= MAX_INBOUND_HANDSHAKES) {
+        return reject('busy', `${MAX_INBOUND_HANDSHAKES} handshakes are in progress here; try again shortly`);
+      }
+      this.#admitted++;
+      this.#admittedByPeer.set(peerKey, (this.#admittedByPeer.get(peerKey) ?? 0) + 1);
+      admitted = peerKey;
       const problem = this.#checkRemoteSetup(hello.setup, this.queuePairsPerPeer);
       if (problem) return reject(String(problem.details['remoteCode'] ?? problem.code), problem.message);
       q = this.#createQueues(hello.setup.qps.length);
@@ -1511,6 +1516,13 @@ export class RdmaTransport implements Transport {
       else control.socket.destroy();
       if (q) this.#destroyQueues(q);
       this.logger.debug('rdma: inbound handshake failed', { error: err.message });
+    } finally {
+      if (admitted !== undefined) {
+        this.#admitted--;
+        const left = (this.#admittedByPeer.get(admitted) ?? 1) - 1;
+        if (left > 0) this.#admittedByPeer.set(admitted, left);
+        else this.#admittedByPeer.delete(admitted);
+      }
     }
   }
 

@@ -211,6 +211,15 @@ describe('admission over simulated verbs', () => {
     await until(() => b.t.connectionCount() === 7);
     await a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 }); // room again
   });
+
+  it('connections opened all at once count against the limit while they are still handshaking', async () => {
+    const { a, b } = await pair(1);
+    const results = await Promise.allSettled(Array.from({ length: 20 }, () => a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 })));
+    const refused = results.filter((r): r is PromiseRejectedResult => r.status === 'rejected');
+    expect(refused.length).toBe(13); // 1 from pair() + 7 of these make 8
+    for (const r of refused) expect((r.reason as RemoteRejectedError).remoteCode).toBe('too-many-connections');
+    await until(() => b.t.connectionCount() === 8);
+  });
 });
 
 describe('memory-region grants over simulated verbs', () => {
