@@ -121,13 +121,10 @@ export class WindowLedger<C, G> {
 
   /**
    * The windows of `b` are bound. False when it was cancelled meanwhile: the caller
-   * deallocates its windows and refuses the request.
+   * deallocates its windows, then calls `b.finish()`, and refuses the request.
    */
   complete(b: Binding<C>, rkeys: readonly number[]): boolean {
-    if (b.state !== 'binding') {
-      b.finish();
-      return false;
-    }
+    if (b.state !== 'binding') return false;
     b.state = 'bound';
     b.rkeys = rkeys;
     b.finish();
