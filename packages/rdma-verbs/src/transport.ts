@@ -190,8 +190,11 @@ class RdmaRegistration {
 /** What decodeRemote returns; only instances of this class are accepted by execute(). */
 class RemoteRegion {
   readonly grant: RemoteGrant;
+  /** A memory-window grant's token in hex (the key of every window table), once per decode. */
+  readonly windowToken: string | undefined;
   constructor(grant: RemoteGrant) {
     this.grant = grant;
+    this.windowToken = grant.grant === 'window' ? tokenHex(grant.token) : undefined;
   }
 }
 
@@ -213,6 +216,8 @@ interface Pending {
   readonly chunk: TransferChunk;
   readonly reg: RdmaRegistration;
   readonly remote: RemoteGrant;
+  /** RemoteRegion.windowToken of the chunk's remote. */
+  readonly windowToken: string | undefined;
   readonly stream: number;
   /** The rkey for this stream's queue pair: the MR's, or the window bound to this QP. */
   rkey: number;
@@ -458,7 +463,17 @@ export class RdmaConnection implements TransportConnection {
           });
         }
         if (c.length > MAX_WR_BYTES) throw new InvalidInputError(`chunk ${i}: ${c.length} bytes exceeds one work request`, { details: { field: 'length' } });
-        pendings.push({ op: undefined as unknown as Op, chunk: c, reg, remote: g, stream, rkey: g.grant === 'mr' ? g.rkey : 0, window: undefined, wrId: 0 });
+        pendings.push({
+          op: undefined as unknown as Op,
+          chunk: c,
+          reg,
+          remote: g,
+          windowToken: c.remote.windowToken,
+          stream,
+          rkey: g.grant === 'mr' ? g.rkey : 0,
+          window: undefined,
+          wrId: 0,
+        });
       }
     } catch (e) {
       return Promise.reject(toTensorwireError(e, InvalidInputError));
@@ -494,8 +509,8 @@ export class RdmaConnection implements TransportConnection {
           return;
         }
         for (const p of pendings) {
-          if (p.remote.grant === 'window') {
-            const k = keys.get(tokenHex(p.remote.token)) as WindowKeys;
+          if (p.windowToken !== undefined) {
+            const k = keys.get(p.windowToken) as WindowKeys;
             p.window = k;
             p.rkey = k.rkeys[stream] as number;
           }
@@ -509,10 +524,9 @@ export class RdmaConnection implements TransportConnection {
       const keys = new Map<string, WindowKeys>();
       const waits: Promise<unknown>[] = [];
       for (const p of pendings) {
-        if (p.remote.grant !== 'window') continue;
-        const hex = tokenHex(p.remote.token);
-        if (keys.has(hex)) continue;
-        const k = this.#keys.get(p.remote.token);
+        const hex = p.windowToken;
+        if (hex === undefined || p.remote.grant !== 'window' || keys.has(hex)) continue;
+        const k = this.#keys.get(p.remote.token, hex);
         if (k instanceof Promise) waits.push(k.then((v) => keys.set(hex, v)));
         else keys.set(hex, k);
       }

@@ -254,10 +254,12 @@ export class WindowKeyCache {
     return this.#waiting.size;
   }
 
-  /** The rkeys for `token` on this connection: cached, or one BIND shared by every caller. */
-  get(token: Uint8Array): WindowKeys | Promise<WindowKeys> {
+  /**
+   * The rkeys for `token` on this connection: cached, or one BIND shared by every caller.
+   * `hex` is `tokenHex(token)` when the caller has it already.
+   */
+  get(token: Uint8Array, hex = tokenHex(token)): WindowKeys | Promise<WindowKeys> {
     if (token.length !== GRANT_TOKEN_BYTES) return Promise.reject(new RemoteRejectedError('malformed grant token'));
-    const hex = tokenHex(token);
     const hit = this.#keys.get(hex);
     if (hit) return hit;
     if (this.#failed) return Promise.reject(this.#failed);
