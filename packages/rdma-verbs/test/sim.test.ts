@@ -51,7 +51,7 @@ describe('memory-window grants over simulated verbs', () => {
     const remote = a.t.decodeRemote(rr.payload, 'host', size);
     await conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }], opts()); // keys cached
     // Two reads execute on the "NIC" but their completions wait; fourteen wait for credits.
-    fabric.holdCompletions = true;
+    fabric.completionGate.close();
     const posted = fabric.counters.postedWrs;
     const chunks = Array.from({ length: 16 }, (_, i) => ({ op: 'read' as const, local: lr.handle, localOffset: i * 4096, remote, remoteOffset: i * 4096, length: 4096 }));
     const p = failure(conn.execute(0, chunks, opts()));
@@ -60,7 +60,7 @@ describe('memory-window grants over simulated verbs', () => {
     await until(() => fabric.executed === executed + 2); // both read their bytes through the windows
     await b.t.revoke(rr.handle);
     await until(() => conn.cachedGrants === 0); // UNBIND arrived
-    fabric.releaseCompletions(); // credits free up: the queued chunks must not be posted
+    fabric.completionGate.open(); // credits free up: the queued chunks must not be posted
     const err = await p;
     expect(err).toBeInstanceOf(RemoteRejectedError);
     expect((err as RemoteRejectedError).remoteCode).toBe('grant-revoked');
@@ -81,7 +81,7 @@ describe('memory-window grants over simulated verbs', () => {
     const back = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const backRead = { op: 'read' as const, local: mine.handle, localOffset: 0, remote: b.t.decodeRemote(back.payload, 'host', 4096), remoteOffset: 0, length: 4096 };
     await served.execute(0, [backRead], opts()); // B's keys for A's memory are cached
-    fabric.holdCompletions = true;
+    fabric.completionGate.close();
     const holderRead = failure(served.execute(0, [backRead], opts()));
     expect(served.outstanding).toBe(1);
     const closing = served.close(new ConnectionBrokenError('holder closes'));
@@ -94,7 +94,7 @@ describe('memory-window grants over simulated verbs', () => {
     await new Promise((r) => setTimeout(r, 20));
     expect(revoked).toBe('pending'); // the windows over the MR are still there
     expect(served.windows).toBe(1);
-    fabric.releaseCompletions();
+    fabric.completionGate.open();
     await closing;
     await revoking;
     expect(revoked).toBeUndefined();
@@ -123,14 +123,14 @@ describe('memory-window grants over simulated verbs', () => {
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const mrs = fabric.counters.mrs;
     const mws = fabric.counters.mws;
-    fabric.holdBinds = true;
+    fabric.bindGate.close();
     const p = failure(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts()));
     await until(() => fabric.binds === 2);
     let revoked = false;
     const revoking = b.t.revoke(rr.handle).then(() => (revoked = true));
     await new Promise((r) => setTimeout(r, 20));
     expect(revoked).toBe(false); // waits for the binds on the NIC
-    fabric.releaseBinds();
+    fabric.bindGate.open();
     await revoking;
     const err = await p;
     expect(err).toBeInstanceOf(RemoteRejectedError);
@@ -144,13 +144,13 @@ describe('memory-window grants over simulated verbs', () => {
     const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const base = { ...fabric.counters };
-    fabric.holdBinds = true;
+    fabric.bindGate.close();
     const p = failure(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts()));
     await until(() => fabric.binds === 2);
     const served = b.inbound[0] as RdmaConnection;
     await served.close(new ConnectionBrokenError('holder gave up'));
     expect(await p).toBeInstanceOf(Error);
-    fabric.releaseBinds();
+    fabric.bindGate.open();
     await until(() => !conn.isOpen);
     expect(served.windows).toBe(0);
     expect(fabric.counters.mws).toBe(base.mws);
@@ -167,7 +167,7 @@ describe('memory-window grants over simulated verbs', () => {
     const dst = new Uint8Array(4096);
     const lr = await a.t.register({ kind: 'host', buffer: dst });
     const chunk = { op: 'read' as const, local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 };
-    fabric.holdBinds = true;
+    fabric.bindGate.close();
     const posted = fabric.counters.postedWrs;
     const ac = new AbortController();
     const p = failure(conn.execute(0, [chunk], { signal: ac.signal, deadline: Date.now() + 60_000 }));
@@ -175,7 +175,7 @@ describe('memory-window grants over simulated verbs', () => {
     ac.abort();
     expect(await p).toBeInstanceOf(Error);
     expect(fabric.counters.postedWrs).toBe(posted + 1); // the bind only
-    fabric.releaseBinds();
+    fabric.bindGate.open();
     await until(() => conn.cachedGrants === 1);
     await conn.execute(0, [chunk], opts());
     expect(dst.every((x) => x === 5)).toBe(true);

@@ -55,16 +55,34 @@ interface SimQp {
   running: boolean;
 }
 
+/** A test knob: while closed, what passes it is held, and runs in order when it opens. */
+export class Gate {
+  #closed = false;
+  readonly #held: (() => void)[] = [];
+  get isClosed(): boolean {
+    return this.#closed;
+  }
+  close(): void {
+    this.#closed = true;
+  }
+  open(): void {
+    this.#closed = false;
+    for (const f of this.#held.splice(0)) f();
+  }
+  /** @internal */
+  hold(f: () => void): void {
+    this.#held.push(f);
+  }
+}
+
 /** The shared "subnet": QPs by number, address and key spaces, counters, and test knobs. */
 export class SimFabric {
   readonly qps = new Map<number, SimQp>();
   readonly counters = { devices: 0, pds: 0, mrs: 0, mws: 0, cqs: 0, qps: 0, channels: 0, threads: 0, postedWrs: 0, completions: 0 };
-  /** While true, window binds wait (to test revoke or close while a bind is on the "NIC"). */
-  holdBinds = false;
-  readonly #heldBinds: (() => void)[] = [];
-  /** While true, work executes but its completions are not delivered yet. */
-  holdCompletions = false;
-  readonly #heldCompletions: (() => void)[] = [];
+  /** Closed: window binds wait (to test revoke or close while a bind is on the "NIC"). */
+  readonly bindGate = new Gate();
+  /** Closed: work executes but its completions are not delivered yet. */
+  readonly completionGate = new Gate();
   nextQpn = 0x100;
   nextAddr = 0x7f0000000000n;
   nextKey = 0x1000;
@@ -72,26 +90,6 @@ export class SimFabric {
   binds = 0;
   /** READs and WRITEs executed so far (successful or not). */
   executed = 0;
-
-  releaseBinds(): void {
-    this.holdBinds = false;
-    for (const f of this.#heldBinds.splice(0)) f();
-  }
-
-  releaseCompletions(): void {
-    this.holdCompletions = false;
-    for (const f of this.#heldCompletions.splice(0)) f();
-  }
-
-  /** @internal */
-  hold(f: () => void): void {
-    this.#heldBinds.push(f);
-  }
-
-  /** @internal */
-  holdCompletion(f: () => void): void {
-    this.#heldCompletions.push(f);
-  }
 
   backend(memoryWindows = true): RdmaBackend {
     return simulatedBackend(this, memoryWindows);
@@ -352,8 +350,8 @@ export class SimDevice implements NativeDevice {
         q.running = false;
         return;
       }
-      if (w.kind === 'bind' && this.#fabric.holdBinds && q.state !== 'ERR') {
-        this.#fabric.hold(() => setImmediate(step));
+      if (w.kind === 'bind' && this.#fabric.bindGate.isClosed && q.state !== 'ERR') {
+        this.#fabric.bindGate.hold(() => setImmediate(step));
         return;
       }
       q.work.shift();
@@ -397,8 +395,8 @@ export class SimDevice implements NativeDevice {
 
   #complete(q: SimQp, wrId: number, status: number, opcode: number): void {
     this.#fabric.counters.completions++;
-    if (this.#fabric.holdCompletions) {
-      this.#fabric.holdCompletion(() => this.#complete(q, wrId, status, opcode));
+    if (this.#fabric.completionGate.isClosed) {
+      this.#fabric.completionGate.hold(() => this.#complete(q, wrId, status, opcode));
       this.#fabric.counters.completions--;
       return;
     }
