@@ -39,16 +39,19 @@ import { consoleLogger, type Logger } from './logger.js';
 import { EngineMetrics, type MetricsOptions } from './metrics.js';
 import { defaultHostId } from './host-id.js';
 import {
+  RANGE_STRIDE,
+  RangeField,
   TRANSPORT_SPECIFICATION_VERSION,
   memoryByteLength,
   type Memory,
   type MemoryKind,
   type NodeIdentity,
-  type TransferChunk,
+  type TransferBatch,
   type Transport,
   type TransportConnection,
   type TransportHost,
 } from './transport.js';
+import { appendMerged, findOverlap, splitIntoBatches } from './plan.js';
 
 
 /** Decoded values of byte blobs, by blob object; a blob whose bytes changed since is decoded again. */
@@ -113,8 +116,84 @@ export interface TransferOptions {
 export interface TransferReport {
   readonly transport: string;
   readonly bytes: number;
+  /** Pieces of at most the chunk size the transfer was split into. */
   readonly chunks: number;
+  /** Requests in the call. */
   readonly requests: number;
+  /** Ranges after adjacent requests were merged. */
+  readonly ranges: number;
+}
+
+export interface PrepareOptions {
+  /** The direction every post of the prepared transfer moves bytes in. */
+  op: 'read' | 'write';
+}
+
+/**
+ * A transfer validated, decoded and planned once ({@link TransferEngine.prepare}), to post as
+ * many times as the caller likes with {@link PreparedTransfer.run}. Disposable: `close()`
+ * waits for posts in flight, and later posts fail with ClosedError.
+ */
+export class PreparedTransfer {
+  readonly transport: string;
+  readonly op: 'read' | 'write';
+  /** Bytes every post moves. */
+  readonly bytes: number;
+  /** Requests it was prepared from. */
+  readonly requests: number;
+  /** Ranges after adjacent requests were merged. */
+  readonly ranges: number;
+  readonly #post: (self: PreparedTransfer, options: TransferOptions) => Promise<TransferReport>;
+  readonly #forget: (self: PreparedTransfer) => void;
+  readonly #inFlight = new Set<Promise<unknown>>();
+  #closed: Promise<void> | undefined;
+
+  /** @internal */
+  constructor(
+    transport: string,
+    op: 'read' | 'write',
+    bytes: number,
+    requests: number,
+    ranges: number,
+    post: (self: PreparedTransfer, options: TransferOptions) => Promise<TransferReport>,
+    forget: (self: PreparedTransfer) => void,
+    live: Set<PreparedTransfer>,
+  ) {
+    this.transport = transport;
+    this.op = op;
+    this.bytes = bytes;
+    this.requests = requests;
+    this.ranges = ranges;
+    this.#post = post;
+    this.#forget = forget;
+    live.add(this);
+  }
+
+  get closed(): boolean {
+    return this.#closed !== undefined;
+  }
+
+  /** Post the transfer once. Same options and errors as {@link TransferEngine.read}. */
+  run(options: TransferOptions = {}): Promise<TransferReport> {
+    if (this.#closed) return Promise.reject(new ClosedError('prepared transfer was disposed'));
+    const p = this.#post(this, options);
+    this.#inFlight.add(p);
+    const done = (): void => {
+      this.#inFlight.delete(p);
+    };
+    p.then(done, done);
+    return p;
+  }
+
+  /** Dispose: later posts fail with ClosedError; resolves once posts in flight settled. Idempotent. */
+  close(): Promise<void> {
+    this.#closed ??= Promise.allSettled([...this.#inFlight]).then(() => this.#forget(this));
+    return this.#closed;
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close();
+  }
 }
 
 export interface CandidateExplanation {
@@ -219,6 +298,8 @@ class PeerConnection {
   /** Round-robin cursor over the connection's streams; belongs to this connection only. */
   nextStream = 0;
   inFlight = 0;
+  /** Set when this connection was torn down by an error (prepared transfers on it are invalid). */
+  brokenBy: TensorwireError | undefined;
   constructor(key: string, peer: NodeIdentity, transport: Transport) {
     this.key = key;
     this.peer = peer;
@@ -227,12 +308,47 @@ class PeerConnection {
   }
 }
 
-interface PreparedRequest {
-  readonly localHandle: object;
-  readonly localOffset: number;
-  readonly remote: unknown;
-  readonly remoteOffset: number;
-  readonly length: number;
+/** A request list validated and decoded once: what every post of it needs. */
+interface Plan {
+  readonly op: 'read' | 'write';
+  readonly ep: PeerEndpoint;
+  readonly transport: Transport;
+  readonly locals: readonly object[];
+  readonly remotes: readonly unknown[];
+  /** The local registrations behind `locals`, and the first request using each. */
+  readonly localRegs: readonly Registration[];
+  readonly localFirst: readonly number[];
+  /** Merged ranges (RANGE_STRIDE layout, lengths not yet chunked). */
+  readonly ranges: Float64Array;
+  readonly count: number;
+  readonly bytes: number;
+  readonly requests: number;
+}
+
+/** A plan split for one connection. */
+interface Split {
+  readonly conn: TransportConnection;
+  readonly batches: readonly (TransferBatch | undefined)[];
+  readonly chunks: number;
+}
+
+/** Check a request's numeric field fast: a safe integer >= min. */
+function requestInt(value: unknown, i: number, field: string, min: number): number {
+  if (typeof value === 'number' && Number.isSafeInteger(value) && value >= min) return value;
+  throw new InvalidInputError(`requests[${i}].${field} must be an integer >= ${min}, got ${String(value)}`, { details: { field, request: i } });
+}
+
+/** The same error with the request index added to its details (and message). */
+function withRequest(e: TensorwireError, i: number, prefix: string): TensorwireError {
+  if (e.details['request'] !== undefined) return e;
+  const Ctor = e.constructor as new (message: string, options?: { cause?: unknown; details?: Record<string, unknown> }) => TensorwireError;
+  return new Ctor(`${prefix}${e.message}`, { cause: e, details: { ...e.details, request: i } });
+}
+
+function identityGroups(n: number): Uint32Array {
+  const g = new Uint32Array(n);
+  for (let i = 0; i < n; i++) g[i] = i;
+  return g;
 }
 
 const DEFAULT_CHUNK = 1024 * 1024;
@@ -609,138 +725,290 @@ export class TransferEngine {
   ): Promise<TransferReport> {
     this.#assertOpen();
     await this.start();
-    const started = process.hrtime.bigint();
+    const plan = this.#plan(op, peerArg, requests);
+    const { signal, deadline, dispose } = this.#deadlineSignal(options);
+    try {
+      let pc = await this.#connection(plan.ep, plan.transport, signal);
+      if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal); // retired between handshake and use
+      const conn = pc.conn as TransportConnection;
+      const first = pc.nextStream;
+      const split = this.#split(plan, conn, first);
+      pc.nextStream = (first + split.chunks) % Math.max(1, conn.streams);
+      return await this.#post(plan, pc, conn, split, signal, deadline);
+    } finally {
+      dispose();
+    }
+  }
+
+  /**
+   * Prepare a transfer to post many times: the requests are validated and decoded once, the
+   * transport is chosen once, adjacent requests are merged and the chunk plan is computed
+   * once. `run()` posts it. Each post re-checks what can change between posts: a revoked local
+   * registration is InvalidInputError; a broken connection or a restarted peer invalidates the
+   * prepared transfer (ConnectionBrokenError, on this post and every later one); a grant the
+   * peer revoked is refused by the peer (RemoteRejectedError). Bytes are never stale.
+   */
+  async prepare(peer: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[], options: PrepareOptions): Promise<PreparedTransfer> {
+    this.#assertOpen();
+    await this.start();
+    const op = options?.op;
+    if (op !== 'read' && op !== 'write') throw new InvalidInputError(`options.op must be 'read' or 'write', got ${String(op)}`, { details: { field: 'op' } });
+    const plan = this.#plan(op, peer, requests);
+    return new PreparedTransfer(plan.transport.name, op, plan.bytes, requests.length, plan.count, (self, o) => this.#runPrepared(self, plan, o), (self) => this.#prepared.delete(self), this.#prepared);
+  }
+
+  readonly #prepared = new Set<PreparedTransfer>();
+  #preparedCounter = 0;
+  readonly #preparedState = new WeakMap<PreparedTransfer, { pc: PeerConnection | undefined; split: Split | undefined; first: number; broken: TensorwireError | undefined }>();
+
+  async #runPrepared(self: PreparedTransfer, plan: Plan, options: TransferOptions): Promise<TransferReport> {
+    this.#assertOpen();
+    let state = this.#preparedState.get(self);
+    if (!state) this.#preparedState.set(self, (state = { pc: undefined, split: undefined, first: this.#preparedCounter++ % 64, broken: undefined }));
+    if (state.broken) throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { cause: state.broken, details: { peer: plan.ep.identity.nodeId } });
+    // What can change between posts, checked per distinct registration, not per range.
+    for (let i = 0; i < plan.localRegs.length; i++) {
+      const reg = plan.localRegs[i] as Registration;
+      if (reg.revoked || this.#registrations.get(reg.id) !== reg) {
+        throw new InvalidInputError(`requests[${plan.localFirst[i] as number}].local (${reg.id}) was revoked`, { details: { field: 'local', request: plan.localFirst[i] } });
+      }
+    }
+    const current = this.#table.get(connectionKey(plan.ep.identity.nodeId, plan.transport.name));
+    if (current && current.peer.incarnation !== plan.ep.identity.incarnation) {
+      state.broken = new ConnectionBrokenError(`peer ${plan.ep.identity.nodeId} restarted (incarnation changed)`);
+      throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { details: { peer: plan.ep.identity.nodeId } });
+    }
+    const old = state.pc;
+    if (old?.brokenBy) {
+      state.broken = old.brokenBy;
+      throw new ConnectionBrokenError(`prepared transfer is invalidated: its connection broke (${old.brokenBy.message})`, { cause: old.brokenBy, details: { peer: plan.ep.identity.nodeId } });
+    }
+    const { signal, deadline, dispose } = this.#deadlineSignal(options);
+    try {
+      let pc = old && this.#table.get(old.key) === old && old.conn?.isOpen === true ? old : await this.#connection(plan.ep, plan.transport, signal);
+      if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal);
+      const conn = pc.conn as TransportConnection;
+      if (state.pc !== pc || !state.split || state.split.conn !== conn) {
+        // First post, or the old connection was retired in an orderly way: plan for this one.
+        state.pc = pc;
+        state.split = this.#split(plan, conn, state.first);
+      }
+      return await this.#post(plan, pc, conn, state.split, signal, deadline);
+    } catch (e) {
+      if (e instanceof TensorwireError && e.breaksConnection && state.pc?.brokenBy) state.broken = state.pc.brokenBy;
+      throw e;
+    } finally {
+      dispose();
+    }
+  }
+
+  /** Validate and decode a request list once: the transport, tables, merged ranges. */
+  #plan(op: 'read' | 'write', peerArg: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[]): Plan {
     const ep = this.#peer(peerArg);
     if (!Array.isArray(requests) || requests.length === 0) {
       throw new InvalidInputError('a transfer needs at least one request', { details: { field: 'requests' } });
     }
-    // Pick the transport for the whole batch from the memory kinds involved.
-    const kinds = new Set<MemoryKind>();
-    const decoded: MemoryDescriptor[] = [];
-    for (const [i, r] of requests.entries()) {
-      if (!(r?.local instanceof Registration)) throw new InvalidInputError(`requests[${i}].local must be a Registration of this engine`, { details: { field: 'local' } });
-      const remote = r.remote instanceof Uint8Array ? this.#descriptorCache.get(r.remote) : r.remote;
-      if (typeof remote !== 'object' || remote === null || !(remote.transports instanceof Map)) {
-        throw new InvalidInputError(`requests[${i}].remote must be a descriptor`, { details: { field: 'remote' } });
+    const n = requests.length;
+    // Pass 1: distinct local registrations and remote descriptors, by identity (usually a few
+    // per batch however many requests there are).
+    const localOf = new Uint32Array(n);
+    const remoteOf = new Uint32Array(n);
+    const localRegs: Registration[] = [];
+    const localFirst: number[] = [];
+    const localIndex = new Map<Registration, number>();
+    const descs: MemoryDescriptor[] = [];
+    const remoteFirst: number[] = [];
+    const remoteIndex = new Map<unknown, number>();
+    let lastLocal: unknown;
+    let lastLocalAt = 0;
+    let lastRemote: unknown;
+    let lastRemoteAt = 0;
+    for (let i = 0; i < n; i++) {
+      const r = requests[i];
+      if (typeof r !== 'object' || r === null) throw new InvalidInputError(`requests[${i}] must be an object`, { details: { field: 'requests', request: i } });
+      const local = r.local;
+      if (local !== lastLocal) {
+        let at = localIndex.get(local);
+        if (at === undefined) {
+          if (!(local instanceof Registration)) throw new InvalidInputError(`requests[${i}].local must be a Registration of this engine`, { details: { field: 'local', request: i } });
+          at = localRegs.push(local) - 1;
+          localFirst.push(i);
+          localIndex.set(local, at);
+        }
+        lastLocal = local;
+        lastLocalAt = at;
       }
-      decoded.push(remote);
-      kinds.add(r.local.memoryKind);
-      kinds.add(remote.memoryKind);
+      localOf[i] = lastLocalAt;
+      const remote = r.remote;
+      if (remote !== lastRemote) {
+        let at = remoteIndex.get(remote);
+        if (at === undefined) {
+          let d: MemoryDescriptor;
+          try {
+            d = remote instanceof Uint8Array ? this.#descriptorCache.get(remote) : remote;
+          } catch (e) {
+            throw withRequest(toTensorwireError(e, InvalidInputError), i, `requests[${i}].remote: `);
+          }
+          if (typeof d !== 'object' || d === null || !(d.transports instanceof Map)) {
+            throw new InvalidInputError(`requests[${i}].remote must be a descriptor`, { details: { field: 'remote', request: i } });
+          }
+          at = descs.push(d) - 1;
+          remoteFirst.push(i);
+          remoteIndex.set(remote, at);
+        }
+        lastRemote = remote;
+        lastRemoteAt = at;
+      }
+      remoteOf[i] = lastRemoteAt;
     }
+    // The transport for the whole batch, from the memory kinds involved.
+    const kinds = new Set<MemoryKind>();
+    for (const l of localRegs) kinds.add(l.memoryKind);
+    for (const d of descs) kinds.add(d.memoryKind);
     // Endpoints decoded here are the engine's own objects; a caller's PeerEndpoint may change.
     const ex = peerArg instanceof Uint8Array ? this.#choice(ep, kinds) : this.#explain(ep, [...kinds]);
     if (!ex.chosen) throw new BackendUnavailableError(ex.reason, { details: { peer: ep.identity.nodeId } });
-    const transport = this.#transports.get(ex.chosen) as Transport;
-    const prepared = requests.map((r, i) => this.#prepare(transport, ep, r, decoded[i] as MemoryDescriptor, i));
-    const totalBytes = prepared.reduce((s, p) => s + p.length, 0);
-
-    const { signal, deadline, dispose } = this.#deadlineSignal(options);
-    try {
-      let pc = await this.#connection(ep, transport, signal);
-      if (!pc.conn?.isOpen) pc = await this.#connection(ep, transport, signal); // retired between handshake and use
-      const chunks = await this.#run(op, pc, prepared, signal, deadline);
-      this.metrics?.bytes.inc({ transport: transport.name, direction: op }, totalBytes);
-      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: 'ok' }, requests.length);
-      return { transport: transport.name, bytes: totalBytes, chunks, requests: requests.length };
-    } catch (e) {
-      const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${ep.identity.nodeId}`) : toTensorwireError(e);
-      this.metrics?.errors.inc({ transport: transport.name, code: err.code });
-      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: err.code }, requests.length);
-      throw err;
-    } finally {
-      dispose();
-      this.metrics?.duration.observe({ transport: transport.name, direction: op }, Number(process.hrtime.bigint() - started) / 1e9);
+    const t = this.#transports.get(ex.chosen) as Transport;
+    // Per distinct local and remote: ownership, liveness, the transport's handle / decoded form.
+    const locals: object[] = [];
+    for (let k = 0; k < localRegs.length; k++) locals.push(this.#localHandle(t, localRegs[k] as Registration, localFirst[k] as number));
+    const remotes: unknown[] = [];
+    const remoteLength = new Float64Array(descs.length);
+    // Two descriptor objects may name one registration: overlap checks group by registration id.
+    const remoteGroup = new Uint32Array(descs.length);
+    const groupOf = new Map<string, number>();
+    for (let k = 0; k < descs.length; k++) {
+      const d = descs[k] as MemoryDescriptor;
+      remotes.push(this.#remoteFor(t, ep, d, remoteFirst[k] as number));
+      remoteLength[k] = d.byteLength;
+      let g = groupOf.get(d.registrationId);
+      if (g === undefined) groupOf.set(d.registrationId, (g = groupOf.size));
+      remoteGroup[k] = g;
     }
-  }
-
-  #prepare(t: Transport, ep: PeerEndpoint, r: TransferRequest, remote: MemoryDescriptor, i: number): PreparedRequest {
-    const local = r.local;
-    if (local.revoked) throw new InvalidInputError(`requests[${i}].local (${local.id}) was revoked`, { details: { field: 'local' } });
-    if (this.#registrations.get(local.id) !== local) {
-      throw new InvalidInputError(`requests[${i}].local (${local.id}) is not registered with this engine`, { details: { field: 'local' } });
+    // Pass 2: numbers and bounds per request, merged with the previous one where contiguous.
+    const ranges = new Float64Array(n * RANGE_STRIDE);
+    let count = 0;
+    let bytes = 0;
+    for (let i = 0; i < n; i++) {
+      const r = requests[i] as TransferRequest;
+      const li = localOf[i] as number;
+      const ri = remoteOf[i] as number;
+      const local = localRegs[li] as Registration;
+      const localOffset = r.localOffset === undefined ? 0 : requestInt(r.localOffset, i, 'localOffset', 0);
+      const remoteOffset = r.remoteOffset === undefined ? 0 : requestInt(r.remoteOffset, i, 'remoteOffset', 0);
+      const length = r.length === undefined ? requestInt(local.byteLength - localOffset, i, 'length', 1) : requestInt(r.length, i, 'length', 1);
+      if (localOffset + length > local.byteLength) {
+        throw new InvalidInputError(`requests[${i}]: local range ${localOffset}+${length} exceeds registration of ${local.byteLength} bytes`, {
+          details: { field: 'localOffset', request: i },
+        });
+      }
+      const rlen = remoteLength[ri] as number;
+      if (remoteOffset + length > rlen) {
+        throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds registration of ${rlen} bytes`, {
+          details: { field: 'remoteOffset', request: i },
+        });
+      }
+      bytes += length;
+      count = appendMerged(ranges, count, i, li, localOffset, ri, remoteOffset, length);
     }
-    const localHandle = local.handleFor(t.name);
-    if (!localHandle) {
-      throw new InvalidInputError(`requests[${i}].local (${local.id}) is not registered with ${t.name}: ${local.skipped.get(t.name) ?? 'not requested'}`, {
-        details: { field: 'local' },
+    // Destinations must not overlap: the bytes of such a batch would depend on ordering.
+    const overlap =
+      op === 'read'
+        ? findOverlap(ranges, count, 'local', identityGroups(localRegs.length), localRegs.length)
+        : findOverlap(ranges, count, 'remote', remoteGroup, groupOf.size);
+    if (overlap) {
+      const a = ranges[overlap[0] * RANGE_STRIDE + RangeField.Request] as number;
+      const b = ranges[overlap[1] * RANGE_STRIDE + RangeField.Request] as number;
+      const [later, earlier] = a > b ? [a, b] : [b, a];
+      throw new InvalidInputError(`requests[${later}]: its ${op === 'read' ? 'local' : 'remote'} destination overlaps requests[${earlier}]`, {
+        details: { field: op === 'read' ? 'localOffset' : 'remoteOffset', request: later },
       });
     }
+    return { op, ep, transport: t, locals, remotes, localRegs, localFirst, ranges, count, bytes, requests: n };
+  }
+
+  #localHandle(t: Transport, local: Registration, i: number): object {
+    if (local.revoked) throw new InvalidInputError(`requests[${i}].local (${local.id}) was revoked`, { details: { field: 'local', request: i } });
+    if (this.#registrations.get(local.id) !== local) {
+      throw new InvalidInputError(`requests[${i}].local (${local.id}) is not registered with this engine`, { details: { field: 'local', request: i } });
+    }
+    const handle = local.handleFor(t.name);
+    if (!handle) {
+      throw new InvalidInputError(`requests[${i}].local (${local.id}) is not registered with ${t.name}: ${local.skipped.get(t.name) ?? 'not requested'}`, {
+        details: { field: 'local', request: i },
+      });
+    }
+    return handle;
+  }
+
+  #remoteFor(t: Transport, ep: PeerEndpoint, remote: MemoryDescriptor, i: number): unknown {
     if (remote.owner.nodeId !== ep.identity.nodeId) {
-      throw new InvalidInputError(`requests[${i}].remote belongs to ${remote.owner.nodeId}, not to peer ${ep.identity.nodeId}`, { details: { field: 'remote' } });
+      throw new InvalidInputError(`requests[${i}].remote belongs to ${remote.owner.nodeId}, not to peer ${ep.identity.nodeId}`, { details: { field: 'remote', request: i } });
     }
     if (remote.owner.incarnation !== ep.identity.incarnation) {
       throw new InvalidInputError(
         `requests[${i}].remote was issued by an earlier incarnation of ${remote.owner.nodeId} (${remote.owner.incarnation}, peer is now ${ep.identity.incarnation})`,
-        { details: { field: 'remote' } },
+        { details: { field: 'remote', request: i } },
       );
     }
     const payload = remote.transports.get(t.name);
-    if (!payload) throw new InvalidInputError(`requests[${i}].remote has no ${t.name} grant`, { details: { field: 'remote' } });
-    const localOffset = checkInteger(r.localOffset ?? 0, `requests[${i}].localOffset`, 0);
-    const remoteOffset = checkInteger(r.remoteOffset ?? 0, `requests[${i}].remoteOffset`, 0);
-    const length = checkInteger(r.length ?? local.byteLength - localOffset, `requests[${i}].length`, 1);
-    if (localOffset + length > local.byteLength) {
-      throw new InvalidInputError(`requests[${i}]: local range ${localOffset}+${length} exceeds registration of ${local.byteLength} bytes`, {
-        details: { field: 'localOffset' },
-      });
+    if (!payload) throw new InvalidInputError(`requests[${i}].remote has no ${t.name} grant`, { details: { field: 'remote', request: i } });
+    try {
+      return t.decodeRemote(payload, remote.memoryKind, remote.byteLength);
+    } catch (e) {
+      throw withRequest(toTensorwireError(e, InvalidInputError), i, `requests[${i}].remote: `);
     }
-    if (remoteOffset + length > remote.byteLength) {
-      throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds registration of ${remote.byteLength} bytes`, {
-        details: { field: 'remoteOffset' },
-      });
-    }
-    const decodedRemote = t.decodeRemote(payload, remote.memoryKind, remote.byteLength);
-    return { localHandle, localOffset, remote: decodedRemote, remoteOffset, length };
   }
 
-  /** Split, spread over the streams, run; resolves to the number of chunks. */
-  async #run(op: 'read' | 'write', pc: PeerConnection, prepared: readonly PreparedRequest[], signal: AbortSignal, deadline: number): Promise<number> {
-    const conn = pc.conn;
-    if (!conn) throw new ConnectionBrokenError('connection vanished');
-    const cap = Math.min(this.chunkBytes, pc.transport.capabilities.maxChunkBytes, conn.maxChunkBytes ?? Number.POSITIVE_INFINITY);
-    const perStream: TransferChunk[][] = Array.from({ length: conn.streams }, () => []);
-    for (const p of prepared) {
-      let done = 0;
-      while (done < p.length) {
-        // Invariant 8: a chunk is min(remaining, cap), never more than what is needed.
-        const n = Math.min(p.length - done, cap);
-        const stream = pc.nextStream % conn.streams;
-        pc.nextStream = (pc.nextStream + 1) % conn.streams;
-        (perStream[stream] as TransferChunk[]).push({
-          op,
-          local: p.localHandle,
-          localOffset: p.localOffset + done,
-          remote: p.remote,
-          remoteOffset: p.remoteOffset + done,
-          length: n,
-        });
-        done += n;
-      }
-    }
+  /** The chunk plan of `plan` for one connection (its streams and chunk limit). */
+  #split(plan: Plan, conn: TransportConnection, first: number): Split {
+    const streams = Math.max(1, conn.streams);
+    const cap = Math.min(this.chunkBytes, plan.transport.capabilities.maxChunkBytes, conn.maxChunkBytes ?? Number.POSITIVE_INFINITY);
+    const { batches, chunks } = splitIntoBatches(plan.op, plan.locals, plan.remotes, plan.ranges, plan.count, cap, streams, first % streams);
+    return { conn, batches, chunks };
+  }
+
+  /** Post a split on its connection: one execute per stream; settles after every stream has. */
+  async #post(plan: Plan, pc: PeerConnection, conn: TransportConnection, split: Split, signal: AbortSignal, deadline: number): Promise<TransferReport> {
+    const transport = plan.transport;
+    const started = process.hrtime.bigint();
+    const op = plan.op;
+    const transfer = {}; // this post's identity for the transport (ExecuteOptions.transfer)
     pc.inFlight++;
-    const transfer = {}; // this transfer's identity for the transport (ExecuteOptions.transfer)
     try {
-      const results = await Promise.allSettled(
-        perStream.map((chunks, stream) => (chunks.length === 0 ? Promise.resolve() : this.#execute(pc, conn, stream, chunks, signal, deadline, transfer))),
-      );
+      const running: Promise<void>[] = [];
+      for (let s = 0; s < split.batches.length; s++) {
+        const batch = split.batches[s];
+        if (batch) running.push(this.#execute(pc, conn, s, batch, signal, deadline, transfer));
+      }
+      const results = await Promise.allSettled(running);
       // Every stream has settled (quiesced) before we report anything.
-      const failures = results.filter((r): r is PromiseRejectedResult => r.status === 'rejected').map((r) => toTensorwireError(r.reason));
-      if (failures.length > 0) {
+      let failures: TensorwireError[] | undefined;
+      for (const r of results) if (r.status === 'rejected') (failures ??= []).push(toTensorwireError(r.reason));
+      if (failures) {
         const broken = failures.find((f) => f.breaksConnection);
         if (broken) this.#invalidateEntry(pc, conn, broken);
-        throw broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? failures[0];
+        throw broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? (failures[0] as TensorwireError);
       }
-      return perStream.reduce((n, s) => n + s.length, 0);
+      this.metrics?.bytes.inc({ transport: transport.name, direction: op }, plan.bytes);
+      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: 'ok' }, plan.requests);
+      return { transport: transport.name, bytes: plan.bytes, chunks: split.chunks, requests: plan.requests, ranges: plan.count };
+    } catch (e) {
+      const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${plan.ep.identity.nodeId}`) : toTensorwireError(e);
+      this.metrics?.errors.inc({ transport: transport.name, code: err.code });
+      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: err.code }, plan.requests);
+      throw err;
     } finally {
       pc.inFlight--;
+      this.metrics?.duration.observe({ transport: transport.name, direction: op }, Number(process.hrtime.bigint() - started) / 1e9);
     }
   }
 
-  async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, chunks: TransferChunk[], signal: AbortSignal, deadline: number, transfer: object): Promise<void> {
+  async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, batch: TransferBatch, signal: AbortSignal, deadline: number, transfer: object): Promise<void> {
     let backoff = 1;
     for (;;) {
       try {
-        await conn.execute(stream, chunks, { signal, deadline, transfer });
+        await conn.execute(stream, batch, { signal, deadline, transfer });
         return;
       } catch (e) {
         // Invariant 5: local exhaustion backs off and keeps the connection.
@@ -839,6 +1107,7 @@ export class TransferEngine {
     this.metrics?.connections.inc({ transport: pc.transport.name });
     this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event });
     conn.onClose((error) => {
+      if (error && pc.conn === conn) pc.brokenBy ??= error;
       this.metrics?.connections.dec({ transport: pc.transport.name });
       if (this.#table.get(pc.key) === pc && pc.conn === conn) {
         this.#table.delete(pc.key);
@@ -926,6 +1195,7 @@ export class TransferEngine {
   }
 
   #invalidateEntry(pc: PeerConnection, conn: TransportConnection, error: TensorwireError): void {
+    pc.brokenBy ??= error;
     if (this.#table.get(pc.key) === pc && pc.conn === conn) this.#table.delete(pc.key);
     // A broken connection may mean reachability changed: choose transports afresh.
     this.#choiceCache = new WeakMap();
@@ -934,6 +1204,7 @@ export class TransferEngine {
   }
 
   async #dispose(pc: PeerConnection, error: TensorwireError, event: 'invalidated' | 'closed'): Promise<void> {
+    pc.brokenBy ??= error;
     this.metrics?.connectionEvents.inc({ transport: pc.transport.name, event });
     pc.ready.reject(error);
     if (pc.conn) await pc.conn.close(error).catch(() => undefined);

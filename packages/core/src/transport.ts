@@ -1,5 +1,8 @@
 /**
- * The transport plugin interface, specification version 1.
+ * The transport plugin interface, specification version 2.
+ *
+ * v2 makes batches the unit of work: `execute()` takes one {@link TransferBatch} per stream
+ * (typed arrays of ranges over small tables of handles), not one object per chunk.
  *
  * A transport moves bytes between registered memory on two nodes. It implements only
  * what is device-specific; the {@link TransferEngine} above it owns the connection table,
@@ -10,7 +13,7 @@ import type { TensorwireError } from './errors.js';
 import type { Logger } from './logger.js';
 
 /** The version tag of this interface. A transport declares it; the engine refuses others. */
-export const TRANSPORT_SPECIFICATION_VERSION = 'v1' as const;
+export const TRANSPORT_SPECIFICATION_VERSION = 'v2' as const;
 export type TransportSpecificationVersion = typeof TRANSPORT_SPECIFICATION_VERSION;
 
 export type MemoryKind = 'host' | 'cuda';
@@ -72,7 +75,7 @@ export interface TransportCapabilities {
 
 /** What {@link Transport.register} returns. */
 export interface TransportRegistration {
-  /** Opaque per-registration handle, handed back to the transport in every {@link TransferChunk}. */
+  /** Opaque per-registration handle, handed back to the transport in {@link TransferBatch.locals}. */
   readonly handle: object;
   /**
    * The transport-specific part of the exportable descriptor (a token, an rkey and address,
@@ -82,16 +85,47 @@ export interface TransportRegistration {
   readonly payload: Uint8Array;
 }
 
-/** One piece of a transfer, at most the engine's chunk size, already bounds-checked by the engine. */
-export interface TransferChunk {
+/**
+ * Layout of one range in {@link TransferBatch.ranges}: {@link RANGE_STRIDE} numbers per range,
+ * at these positions. Every value is a non-negative safe integer.
+ */
+export const RangeField = {
+  /** Index of the request this range came from, in the caller's request list (for errors). */
+  Request: 0,
+  /** Index into {@link TransferBatch.locals}. */
+  Local: 1,
+  LocalOffset: 2,
+  /** Index into {@link TransferBatch.remotes}. */
+  Remote: 3,
+  RemoteOffset: 4,
+  /** Bytes; at least 1, at most the engine's chunk size for this connection. */
+  Length: 5,
+} as const;
+export const RANGE_STRIDE = 6;
+
+/**
+ * The ranges one stream of a transfer moves, in a compact form: no object per range.
+ *
+ * Range `i` is `ranges[i * RANGE_STRIDE + RangeField.X]`. Ranges are already validated by the
+ * engine (registrations live, bounds inside both registrations, destinations not overlapping)
+ * and are at most the chunk size; adjacent requests were merged. A batch is immutable, and the
+ * engine hands the same object on every post of a {@link PreparedTransfer}, so a transport may
+ * cache what it derives from a batch (encoded request frames, work-request templates) in a
+ * `WeakMap` keyed by it. It must still re-check on every post whatever can change between posts
+ * (grant revoked, registration revoked, connection state).
+ */
+export interface TransferBatch {
   readonly op: 'read' | 'write';
-  /** The local registration's handle. */
-  readonly local: object;
-  readonly localOffset: number;
-  /** What {@link Transport.decodeRemote} returned for the remote descriptor. */
-  readonly remote: unknown;
-  readonly remoteOffset: number;
-  readonly length: number;
+  /** Distinct local registration handles ({@link TransportRegistration.handle}). */
+  readonly locals: readonly object[];
+  /** Distinct decoded remotes (what {@link Transport.decodeRemote} returned). */
+  readonly remotes: readonly unknown[];
+  /** Number of ranges. */
+  readonly count: number;
+  /** `count * RANGE_STRIDE` numbers, see {@link RangeField}. */
+  readonly ranges: Float64Array;
+  /** Total bytes of all ranges. */
+  readonly bytes: number;
 }
 
 export interface ExecuteOptions {
@@ -100,8 +134,8 @@ export interface ExecuteOptions {
   /** Absolute deadline, `Date.now()` milliseconds. */
   readonly deadline: number;
   /**
-   * One object per engine transfer, the same for every `execute` call (every stream, every
-   * retry) of that transfer, and never reused. A transport that must treat a transfer's chunks
+   * One object per engine transfer (one post of a prepared transfer), the same for every
+   * `execute` call (every stream, every retry) of that transfer, and never reused. A transport that must treat a transfer's chunks
    * as a whole (one snapshot of a seqlocked source, say) keys on it. Absent when the caller is
    * not the engine: then each `execute` call is its own transfer.
    */
@@ -129,16 +163,20 @@ export interface TransportConnection {
   /** False once closing or closed. */
   readonly isOpen: boolean;
   /**
-   * Run chunks on one stream. Resolves when every chunk completed; rejects with a
-   * TensorwireError. Must not settle while the hardware or socket can still touch any
-   * chunk's memory: on abort or deadline, quiesce first, then reject.
+   * Run one batch of ranges on one stream. Resolves when every range completed; rejects with
+   * a TensorwireError. Must not settle while the hardware or socket can still touch any
+   * range's memory: on abort or deadline, quiesce first, then reject. Never reports partial
+   * success: if any range failed, the call rejects.
    *
-   * Reject with ResourceExhaustedError only when none of the chunks was started: the engine
-   * then backs off and calls again with the same chunks, on the same connection. Reject
+   * An error about one range names it: `details.request` is the range's
+   * {@link RangeField.Request} value (the index into the caller's request list).
+   *
+   * Reject with ResourceExhaustedError only when none of the ranges was started: the engine
+   * then backs off and calls again with the same batch, on the same connection. Reject
    * with an error whose `breaksConnection` is true when the connection can no longer be
    * used; the engine then removes it from its table in one step.
    */
-  execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void>;
+  execute(stream: number, batch: TransferBatch, options: ExecuteOptions): Promise<void>;
   /** Called exactly once when the connection stops being usable (error undefined on an orderly close). */
   onClose(listener: (error: TensorwireError | undefined) => void): void;
   /**
@@ -196,4 +234,44 @@ export interface Transport {
   /** Idempotent. Closes every connection and listener. */
   close(): Promise<void>;
   [Symbol.asyncDispose](): Promise<void>;
+}
+
+/** One range as an object, for {@link createTransferBatch}. */
+export interface TransferRangeInit {
+  readonly local: object;
+  readonly localOffset: number;
+  readonly remote: unknown;
+  readonly remoteOffset: number;
+  readonly length: number;
+  /** Defaults to the range's position in the list. */
+  readonly request?: number;
+}
+
+/**
+ * Build a {@link TransferBatch} from range objects: for tests and for callers that drive a
+ * connection directly. The engine builds batches without objects per range; so should hot paths.
+ * Handles and remotes are deduplicated by identity. Values are not validated here.
+ */
+export function createTransferBatch(op: 'read' | 'write', list: readonly TransferRangeInit[]): TransferBatch {
+  const locals: object[] = [];
+  const remotes: unknown[] = [];
+  const localIndex = new Map<object, number>();
+  const remoteIndex = new Map<unknown, number>();
+  const ranges = new Float64Array(list.length * RANGE_STRIDE);
+  let bytes = 0;
+  list.forEach((r, i) => {
+    let l = localIndex.get(r.local);
+    if (l === undefined) localIndex.set(r.local, (l = locals.push(r.local) - 1));
+    let m = remoteIndex.get(r.remote);
+    if (m === undefined) remoteIndex.set(r.remote, (m = remotes.push(r.remote) - 1));
+    const at = i * RANGE_STRIDE;
+    ranges[at + RangeField.Request] = r.request ?? i;
+    ranges[at + RangeField.Local] = l;
+    ranges[at + RangeField.LocalOffset] = r.localOffset;
+    ranges[at + RangeField.Remote] = m;
+    ranges[at + RangeField.RemoteOffset] = r.remoteOffset;
+    ranges[at + RangeField.Length] = r.length;
+    bytes += r.length;
+  });
+  return { op, locals, remotes, count: list.length, ranges, bytes };
 }

@@ -11,7 +11,9 @@ import {
   type Memory,
   type NodeIdentity,
   type TensorwireError,
-  type TransferChunk,
+  type TransferBatch,
+  RANGE_STRIDE,
+  RangeField,
   type Transport,
   type TransportCapabilities,
   type TransportConnection,
@@ -27,7 +29,7 @@ export interface MemTransportOptions {
   remote?: boolean;
   maxChunkBytes?: number;
   /** Called before each execute; may throw to inject an error. */
-  beforeExecute?: (stream: number, chunks: readonly TransferChunk[]) => void;
+  beforeExecute?: (stream: number, batch: TransferBatch) => void;
   unreachable?: string;
   /** connect() never settles (a black-holed peer whose transport ignores the signal). */
   connectHangs?: boolean;
@@ -37,7 +39,7 @@ export class MemTransport implements Transport {
   readonly specificationVersion = TRANSPORT_SPECIFICATION_VERSION;
   readonly name: string;
   readonly capabilities: TransportCapabilities;
-  readonly executed: { stream: number; lengths: number[] }[] = [];
+  readonly executed: { stream: number; lengths: number[]; batch: TransferBatch }[] = [];
   readonly connections: MemConnection[] = [];
   host: TransportHost | undefined;
   readonly #opts: MemTransportOptions;
@@ -111,16 +113,22 @@ export class MemConnection implements TransportConnection {
     this.streams = streams;
     this.#hook = hook;
   }
-  async execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+  async execute(stream: number, batch: TransferBatch, options: ExecuteOptions): Promise<void> {
     if (options.signal.aborted) throw options.signal.reason;
-    this.#hook?.(stream, chunks);
-    this.#owner.executed.push({ stream, lengths: chunks.map((c) => c.length) });
-    for (const c of chunks) {
-      const remote = world.get(c.remote as string);
+    this.#hook?.(stream, batch);
+    const lengths: number[] = [];
+    for (let i = 0; i < batch.count; i++) lengths.push(batch.ranges[i * RANGE_STRIDE + RangeField.Length] as number);
+    this.#owner.executed.push({ stream, lengths, batch });
+    for (let i = 0; i < batch.count; i++) {
+      const at = i * RANGE_STRIDE;
+      const remote = world.get(batch.remotes[batch.ranges[at + RangeField.Remote] as number] as string);
       if (!remote) throw new Error('unknown grant');
-      const local = (c.local as { buffer: Uint8Array }).buffer;
-      if (c.op === 'read') local.set(remote.subarray(c.remoteOffset, c.remoteOffset + c.length), c.localOffset);
-      else remote.set(local.subarray(c.localOffset, c.localOffset + c.length), c.remoteOffset);
+      const local = (batch.locals[batch.ranges[at + RangeField.Local] as number] as { buffer: Uint8Array }).buffer;
+      const lo = batch.ranges[at + RangeField.LocalOffset] as number;
+      const ro = batch.ranges[at + RangeField.RemoteOffset] as number;
+      const n = batch.ranges[at + RangeField.Length] as number;
+      if (batch.op === 'read') local.set(remote.subarray(ro, ro + n), lo);
+      else remote.set(local.subarray(lo, lo + n), ro);
     }
   }
   onClose(listener: (error: TensorwireError | undefined) => void): void {

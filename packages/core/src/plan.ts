@@ -1,0 +1,170 @@
+/**
+ * Batch planning: merge adjacent ranges, find overlapping destinations, split into chunks
+ * spread over streams. Pure functions over the {@link TransferBatch} range layout
+ * (`RANGE_STRIDE` numbers per range, see {@link RangeField}); no object per range.
+ */
+import { RANGE_STRIDE, RangeField, type TransferBatch } from './transport.js';
+
+const S = RANGE_STRIDE;
+const REQ = RangeField.Request;
+const LOC = RangeField.Local;
+const LOFF = RangeField.LocalOffset;
+const REM = RangeField.Remote;
+const ROFF = RangeField.RemoteOffset;
+const LEN = RangeField.Length;
+
+/**
+ * Append range (request, local, localOffset, remote, remoteOffset, length) to `ranges` holding
+ * `count` ranges, merging it into the last one when it continues it on both sides (same local
+ * and remote, contiguous offsets). Returns the new count. `ranges` must have room.
+ */
+export function appendMerged(
+  ranges: Float64Array,
+  count: number,
+  request: number,
+  local: number,
+  localOffset: number,
+  remote: number,
+  remoteOffset: number,
+  length: number,
+): number {
+  if (count > 0) {
+    const p = (count - 1) * S;
+    const plen = ranges[p + LEN] as number;
+    if (
+      ranges[p + LOC] === local &&
+      ranges[p + REM] === remote &&
+      (ranges[p + LOFF] as number) + plen === localOffset &&
+      (ranges[p + ROFF] as number) + plen === remoteOffset
+    ) {
+      ranges[p + LEN] = plen + length;
+      return count;
+    }
+  }
+  const at = count * S;
+  ranges[at + REQ] = request;
+  ranges[at + LOC] = local;
+  ranges[at + LOFF] = localOffset;
+  ranges[at + REM] = remote;
+  ranges[at + ROFF] = remoteOffset;
+  ranges[at + LEN] = length;
+  return count + 1;
+}
+
+/**
+ * The first range (by position) whose destination overlaps another range's destination, as
+ * `[i, j]` range positions (i later, j the one it overlaps), or undefined. The destination of
+ * range i is `(group[dest(i)], offset(i), length(i))`: `side` says which side is written, and
+ * `group` maps that side's table index to a region (two table entries may name one region).
+ * O(n) when destinations come in increasing order per region, O(n log n) otherwise.
+ */
+export function findOverlap(ranges: Float64Array, count: number, side: 'local' | 'remote', group: ArrayLike<number>, groups: number): [number, number] | undefined {
+  const D = side === 'local' ? LOC : REM;
+  const O = side === 'local' ? LOFF : ROFF;
+  const lastEnd = new Float64Array(groups).fill(-1);
+  const lastAt = new Int32Array(groups).fill(-1);
+  let monotone = true;
+  for (let i = 0; i < count; i++) {
+    const at = i * S;
+    const g = group[ranges[at + D] as number] as number;
+    const start = ranges[at + O] as number;
+    if (start < (lastEnd[g] as number)) {
+      monotone = false;
+      break;
+    }
+    lastEnd[g] = start + (ranges[at + LEN] as number);
+    lastAt[g] = i;
+  }
+  if (monotone) return undefined;
+  const order = new Uint32Array(count);
+  for (let i = 0; i < count; i++) order[i] = i;
+  order.sort((a, b) => {
+    const ga = group[ranges[a * S + D] as number] as number;
+    const gb = group[ranges[b * S + D] as number] as number;
+    if (ga !== gb) return ga - gb;
+    const d = (ranges[a * S + O] as number) - (ranges[b * S + O] as number);
+    return d !== 0 ? d : a - b;
+  });
+  let best: [number, number] | undefined;
+  let prev = -1;
+  let prevEnd = -1;
+  let prevGroup = -1;
+  for (let k = 0; k < count; k++) {
+    const i = order[k] as number;
+    const at = i * S;
+    const g = group[ranges[at + D] as number] as number;
+    const start = ranges[at + O] as number;
+    const end = start + (ranges[at + LEN] as number);
+    if (g === prevGroup && start < prevEnd) {
+      const later = Math.max(i, prev);
+      const earlier = Math.min(i, prev);
+      if (best === undefined || later < best[0]) best = [later, earlier];
+    }
+    if (g !== prevGroup || end > prevEnd) {
+      prevGroup = g;
+      prevEnd = end;
+      prev = i;
+    }
+  }
+  return best;
+}
+
+/** Number of chunks of at most `cap` bytes the ranges split into. */
+export function chunkCount(ranges: Float64Array, count: number, cap: number): number {
+  let n = 0;
+  for (let i = 0; i < count; i++) n += Math.ceil((ranges[i * S + LEN] as number) / cap);
+  return n;
+}
+
+/**
+ * Split ranges into chunks of min(remaining, cap) bytes (invariant 8) and deal them to
+ * `streams` streams round-robin, starting at stream `first`. Returns one batch per stream
+ * (undefined for a stream that gets nothing) sharing the `locals` and `remotes` tables.
+ */
+export function splitIntoBatches(
+  op: 'read' | 'write',
+  locals: readonly object[],
+  remotes: readonly unknown[],
+  ranges: Float64Array,
+  count: number,
+  cap: number,
+  streams: number,
+  first: number,
+): { batches: (TransferBatch | undefined)[]; chunks: number } {
+  const total = chunkCount(ranges, count, cap);
+  const perStream = new Uint32Array(streams);
+  for (let k = 0; k < total; k++) {
+    const s = (first + k) % streams;
+    perStream[s] = (perStream[s] as number) + 1;
+  }
+  const out: Float64Array[] = [];
+  for (let s = 0; s < streams; s++) out.push(new Float64Array((perStream[s] as number) * S));
+  const fill = new Uint32Array(streams);
+  const bytes = new Float64Array(streams);
+  let stream = first % streams;
+  for (let i = 0; i < count; i++) {
+    const at = i * S;
+    const length = ranges[at + LEN] as number;
+    for (let done = 0; done < length; ) {
+      const n = Math.min(length - done, cap);
+      const dst = out[stream] as Float64Array;
+      const o = (fill[stream] as number) * S;
+      dst[o + REQ] = ranges[at + REQ] as number;
+      dst[o + LOC] = ranges[at + LOC] as number;
+      dst[o + LOFF] = (ranges[at + LOFF] as number) + done;
+      dst[o + REM] = ranges[at + REM] as number;
+      dst[o + ROFF] = (ranges[at + ROFF] as number) + done;
+      dst[o + LEN] = n;
+      fill[stream] = (fill[stream] as number) + 1;
+      bytes[stream] = (bytes[stream] as number) + n;
+      done += n;
+      stream = stream + 1 === streams ? 0 : stream + 1;
+    }
+  }
+  const batches: (TransferBatch | undefined)[] = [];
+  for (let s = 0; s < streams; s++) {
+    const c = perStream[s] as number;
+    batches.push(c === 0 ? undefined : Object.freeze({ op, locals, remotes, count: c, ranges: out[s] as Float64Array, bytes: bytes[s] as number }));
+  }
+  return { batches, chunks: total };
+}
