@@ -18,7 +18,9 @@ import { InvalidInputError } from './errors.js';
 import { assertOwner, idProblem, isToken } from './ids.js';
 import type { MemoryKind, NodeIdentity } from './transport.js';
 
-export const DESCRIPTOR_VERSION = 1;
+export const DESCRIPTOR_VERSION = 2;
+/** Most ranges one range grant's descriptor may carry. */
+export const MAX_GRANT_RANGES = 1 << 20;
 export const ENDPOINT_VERSION = 1;
 export const MAX_TRANSPORTS_PER_BLOB = 16;
 const DESCRIPTOR_MAGIC = [0x54, 0x57, 0x44]; // TWD
@@ -30,7 +32,13 @@ export interface MemoryDescriptor {
   /** Owner-namespaced block id, `block:<ownerNodeId>:<n>`. */
   readonly registrationId: string;
   readonly memoryKind: MemoryKind;
+  /** Bytes addressable through it: the registration's length, or the sum of a grant's ranges. */
   readonly byteLength: number;
+  /**
+   * For a range grant: the length of each granted range, in order (peers name ranges by
+   * index, offsets are inside the range). Absent for a whole registration.
+   */
+  readonly rangeLengths?: Float64Array;
   /** Transport name → that transport's payload. */
   readonly transports: ReadonlyMap<string, Uint8Array>;
 }
@@ -119,8 +127,80 @@ export function encodeDescriptor(d: MemoryDescriptor): Uint8Array {
   for (const b of DESCRIPTOR_MAGIC) w.u8(b);
   w.u8(DESCRIPTOR_VERSION).str8(d.owner.nodeId).str8(d.owner.incarnation).str8(d.registrationId);
   w.u8(kindToByte(d.memoryKind)).u64(d.byteLength);
+  const lengths = d.rangeLengths;
+  if (lengths === undefined) w.u8(0);
+  else {
+    w.u8(1);
+    writeRangeLengths(w, lengths, d.byteLength);
+  }
   writeTransports(w, d.transports);
   return w.finish();
+}
+
+/** Unsigned LEB128 of a safe integer. */
+function writeVarint(w: ByteWriter, v: number): void {
+  while (v >= 0x80) {
+    w.u8((v % 0x80) | 0x80);
+    v = Math.floor(v / 0x80);
+  }
+  w.u8(v);
+}
+
+function readVarint(r: ByteReader, field: string): number {
+  let v = 0;
+  let scale = 1;
+  for (let i = 0; i < 8; i++) {
+    const b = r.u8(field);
+    v += (b & 0x7f) * scale;
+    if ((b & 0x80) === 0) {
+      if (!Number.isSafeInteger(v)) break;
+      return v;
+    }
+    scale *= 0x80;
+  }
+  throw new InvalidInputError(`${field} is not a valid varint`, { details: { field } });
+}
+
+/**
+ * Range lengths, run-length encoded: u32 count, then (varint length, varint repeat) runs.
+ * A grant over 1,000 equal KV blocks is a handful of bytes.
+ */
+function writeRangeLengths(w: ByteWriter, lengths: Float64Array, byteLength: number): void {
+  const n = lengths.length;
+  if (n === 0 || n > MAX_GRANT_RANGES) throw new InvalidInputError(`a grant has 1 to ${MAX_GRANT_RANGES} ranges, got ${n}`, { details: { field: 'rangeLengths' } });
+  w.u32(n);
+  let sum = 0;
+  for (let i = 0; i < n; ) {
+    const len = lengths[i] as number;
+    if (!Number.isSafeInteger(len) || len <= 0) throw new InvalidInputError(`range ${i} length ${len} must be a positive safe integer`, { details: { field: 'rangeLengths' } });
+    let j = i + 1;
+    while (j < n && lengths[j] === len) j++;
+    writeVarint(w, len);
+    writeVarint(w, j - i);
+    sum += len * (j - i);
+    i = j;
+  }
+  if (sum !== byteLength) throw new InvalidInputError(`range lengths sum to ${sum}, not byteLength ${byteLength}`, { details: { field: 'byteLength' } });
+}
+
+function readRangeLengths(r: ByteReader, byteLength: number): Float64Array {
+  const n = r.u32('range count');
+  if (n === 0 || n > MAX_GRANT_RANGES) throw new InvalidInputError(`range count ${n} is not between 1 and ${MAX_GRANT_RANGES}`, { details: { field: 'range count' } });
+  // Every run takes at least 2 bytes: a count the remaining bytes cannot hold is a lie.
+  const out = new Float64Array(n);
+  let i = 0;
+  let sum = 0;
+  while (i < n) {
+    const len = readVarint(r, 'range length');
+    const repeat = readVarint(r, 'range repeat');
+    if (len === 0 || repeat === 0 || repeat > n - i) throw new InvalidInputError('range list run is empty or runs past the range count', { details: { field: 'rangeLengths' } });
+    sum += len * repeat;
+    if (!Number.isSafeInteger(sum) || sum > byteLength) throw new InvalidInputError('range lengths exceed the byte length', { details: { field: 'rangeLengths' } });
+    out.fill(len, i, i + repeat);
+    i += repeat;
+  }
+  if (sum !== byteLength) throw new InvalidInputError(`range lengths sum to ${sum}, not byteLength ${byteLength}`, { details: { field: 'byteLength' } });
+  return out;
 }
 
 export function decodeDescriptor(bytes: Uint8Array): MemoryDescriptor {
@@ -141,9 +221,14 @@ export function decodeDescriptor(bytes: Uint8Array): MemoryDescriptor {
   const memoryKind = byteToKind(r.u8('memory kind'));
   const byteLength = r.safeU64('byte length');
   if (byteLength === 0) throw new InvalidInputError('byte length is 0', { details: { field: 'byteLength' } });
+  const flags = r.u8('flags');
+  if (flags > 1) throw new InvalidInputError(`unknown descriptor flags ${flags}`, { details: { field: 'flags' } });
+  const rangeLengths = flags === 1 ? readRangeLengths(r, byteLength) : undefined;
   const transports = readTransports(r);
   r.end();
-  return { owner: { nodeId, incarnation }, registrationId, memoryKind, byteLength, transports };
+  return rangeLengths === undefined
+    ? { owner: { nodeId, incarnation }, registrationId, memoryKind, byteLength, transports }
+    : { owner: { nodeId, incarnation }, registrationId, memoryKind, byteLength, rangeLengths, transports };
 }
 
 export function encodeEndpoint(e: PeerEndpoint): Uint8Array {

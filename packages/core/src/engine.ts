@@ -15,6 +15,7 @@
 import { randomBytes } from 'node:crypto';
 import { deferred, raceSignal, sleep, type Deferred } from './deferred.js';
 import {
+  MAX_GRANT_RANGES,
   decodeDescriptor,
   decodeEndpoint,
   encodeDescriptor,
@@ -39,6 +40,8 @@ import { consoleLogger, type Logger } from './logger.js';
 import { EngineMetrics, type MetricsOptions } from './metrics.js';
 import { defaultHostId } from './host-id.js';
 import {
+  GRANT_STRIDE,
+  GrantField,
   RANGE_STRIDE,
   RangeField,
   TRANSPORT_SPECIFICATION_VERSION,
@@ -89,6 +92,8 @@ export interface TransferEngineOptions {
   defaultTimeoutMs?: number;
   /** Deadline for a connection handshake. Default 10 s. */
   connectTimeoutMs?: number;
+  /** Most ranges one {@link TransferEngine.grant} may cover. Default 65,536. */
+  maxGrantRanges?: number;
   /** Metrics options, or false to disable. */
   metrics?: MetricsOptions | false;
   logger?: Logger;
@@ -98,8 +103,10 @@ export interface TransferRequest {
   /** A registration of this engine. */
   local: Registration;
   localOffset?: number;
-  /** The peer's exported descriptor (bytes from `registration.descriptor`) or its decoded form. */
+  /** The peer's exported descriptor (bytes from `registration.descriptor` or `grant.descriptor`) or its decoded form. */
   remote: Uint8Array | MemoryDescriptor;
+  /** For a range grant: which granted range (default 0); `remoteOffset` is inside it. */
+  range?: number;
   remoteOffset?: number;
   /** Bytes to move. Default: what is left of the local registration after `localOffset`. */
   length?: number;
@@ -245,7 +252,7 @@ export class Registration {
   /** Transports that could not register this memory, and why. */
   readonly skipped: ReadonlyMap<string, string>;
   readonly #entries: ReadonlyMap<string, RegistrationEntry>;
-  readonly #onRevoke: (r: Registration) => void;
+  readonly #onRevoke: (r: Registration) => Promise<void>;
   #revoked: Promise<void> | undefined;
 
   /** @internal */
@@ -255,7 +262,7 @@ export class Registration {
     descriptor: Uint8Array,
     entries: ReadonlyMap<string, RegistrationEntry>,
     skipped: ReadonlyMap<string, string>,
-    onRevoke: (r: Registration) => void,
+    onRevoke: (r: Registration) => Promise<void>,
   ) {
     this.id = id;
     this.memory = memory;
@@ -279,8 +286,81 @@ export class Registration {
   /** Revoke every transport's grant; resolves once no transport can touch the memory. */
   revoke(): Promise<void> {
     if (this.#revoked) return this.#revoked;
+    // Range grants over this registration go first: nothing may reach it through them after.
+    this.#revoked = this.#onRevoke(this).then(() => Promise.allSettled([...this.#entries.values()].map((e) => e.transport.revoke(e.handle)))).then(() => undefined);
+    return this.#revoked;
+  }
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.revoke();
+  }
+}
+
+/** A range of a registration, for {@link TransferEngine.grant}. */
+export interface GrantRange {
+  registration: Registration;
+  /** Default 0. */
+  offset?: number;
+  /** Default: the rest of the registration after `offset`. */
+  length?: number;
+}
+
+/**
+ * What {@link TransferEngine.grant} takes: a list of ranges, or the same as typed arrays
+ * (`ranges` holds `GRANT_STRIDE` numbers per range: index into `registrations`, offset,
+ * length), which costs no object per range.
+ */
+export type GrantSpec = readonly GrantRange[] | { readonly registrations: readonly Registration[]; readonly ranges: Float64Array };
+
+/**
+ * A range grant: one capability over ranges of registered memory. Its `descriptor` is one
+ * token per transport plus the range lengths (run-length encoded), whatever the number of
+ * ranges. A peer reads range `k` with `{ remote: grant.descriptor, range: k, remoteOffset,
+ * length }`. `revoke()` ends access through it (O(1) in its ranges) and resolves once no
+ * transport still uses it; idempotent. Revoking a registration revokes its grants first.
+ */
+export class Grant {
+  readonly id: string;
+  readonly memoryKind: MemoryKind;
+  /** Sum of the ranges. */
+  readonly byteLength: number;
+  readonly rangeCount: number;
+  readonly descriptor: Uint8Array;
+  /** Transports that could not grant these ranges, and why. */
+  readonly skipped: ReadonlyMap<string, string>;
+  readonly #entries: ReadonlyMap<string, RegistrationEntry>;
+  readonly #onRevoke: (g: Grant) => void;
+  #revoked: Promise<void> | undefined;
+
+  /** @internal */
+  constructor(
+    id: string,
+    memoryKind: MemoryKind,
+    byteLength: number,
+    rangeCount: number,
+    descriptor: Uint8Array,
+    entries: ReadonlyMap<string, RegistrationEntry>,
+    skipped: ReadonlyMap<string, string>,
+    onRevoke: (g: Grant) => void,
+  ) {
+    this.id = id;
+    this.memoryKind = memoryKind;
+    this.byteLength = byteLength;
+    this.rangeCount = rangeCount;
+    this.descriptor = descriptor;
+    this.#entries = entries;
+    this.skipped = skipped;
+    this.#onRevoke = onRevoke;
+  }
+  get revoked(): boolean {
+    return this.#revoked !== undefined;
+  }
+  get transports(): readonly string[] {
+    return [...this.#entries.keys()];
+  }
+  revoke(): Promise<void> {
+    if (this.#revoked) return this.#revoked;
     this.#onRevoke(this);
-    this.#revoked = Promise.allSettled([...this.#entries.values()].map((e) => e.transport.revoke(e.handle))).then(() => undefined);
+    this.#revoked = Promise.allSettled([...this.#entries.values()].map((e) => (e.transport.revokeGrant as (h: object) => Promise<void>).call(e.transport, e.handle))).then(() => undefined);
     return this.#revoked;
   }
   [Symbol.asyncDispose](): Promise<void> {
@@ -345,11 +425,67 @@ function withRequest(e: TensorwireError, i: number, prefix: string): TensorwireE
   return new Ctor(`${prefix}${e.message}`, { cause: e, details: { ...e.details, request: i } });
 }
 
-function identityGroups(n: number): Uint32Array {
-  const g = new Uint32Array(n);
-  for (let i = 0; i < n; i++) g[i] = i;
-  return g;
+/** A grant spec as typed arrays, checked for shape (bounds are checked by the engine). */
+function normalizeGrantSpec(spec: GrantSpec, max: number): { regs: readonly Registration[]; ranges: Float64Array; count: number } {
+  if (Array.isArray(spec)) {
+    const list = spec as readonly GrantRange[];
+    if (list.length === 0 || list.length > max) throw new InvalidInputError(`a grant covers 1 to ${max} ranges, got ${list.length}`, { details: { field: 'ranges' } });
+    const regs: Registration[] = [];
+    const index = new Map<Registration, number>();
+    const ranges = new Float64Array(list.length * GRANT_STRIDE);
+    for (let i = 0; i < list.length; i++) {
+      const r = list[i] as GrantRange;
+      const reg = (r as GrantRange | undefined)?.registration;
+      if (!(reg instanceof Registration)) throw new InvalidInputError(`ranges[${i}].registration must be a Registration of this engine`, { details: { field: 'ranges', range: i } });
+      let k = index.get(reg);
+      if (k === undefined) index.set(reg, (k = regs.push(reg) - 1));
+      const offset = r.offset ?? 0;
+      const at = i * GRANT_STRIDE;
+      ranges[at + GrantField.Handle] = k;
+      ranges[at + GrantField.Offset] = typeof offset === 'number' ? offset : Number.NaN;
+      const length = r.length ?? reg.byteLength - (typeof offset === 'number' ? offset : 0);
+      ranges[at + GrantField.Length] = typeof length === 'number' ? length : Number.NaN;
+    }
+    return { regs, ranges, count: list.length };
+  }
+  const s = spec as { registrations?: unknown; ranges?: unknown };
+  if (typeof s !== 'object' || s === null || !Array.isArray(s.registrations) || !(s.ranges instanceof Float64Array)) {
+    throw new InvalidInputError('a grant needs a list of ranges, or { registrations, ranges: Float64Array }', { details: { field: 'ranges' } });
+  }
+  const regs = s.registrations as readonly unknown[];
+  for (const [k, r] of regs.entries()) if (!(r instanceof Registration)) throw new InvalidInputError(`registrations[${k}] must be a Registration`, { details: { field: 'registrations' } });
+  if (s.ranges.length % GRANT_STRIDE !== 0) throw new InvalidInputError(`ranges must hold ${GRANT_STRIDE} numbers per range`, { details: { field: 'ranges' } });
+  const count = s.ranges.length / GRANT_STRIDE;
+  if (count === 0 || count > max) throw new InvalidInputError(`a grant covers 1 to ${max} ranges, got ${count}`, { details: { field: 'ranges' } });
+  // A private copy: the caller may reuse its array; transports keep this one.
+  return { regs: regs as readonly Registration[], ranges: s.ranges.slice(), count };
 }
+
+/** Two granted ranges of one registration sharing a byte, as [later, earlier], or undefined. */
+function findGrantOverlap(ranges: Float64Array, count: number, regs: number): [number, number] | undefined {
+  const lastEnd = new Float64Array(regs).fill(-1);
+  let monotone = true;
+  for (let i = 0; i < count && monotone; i++) {
+    const at = i * GRANT_STRIDE;
+    const r = ranges[at + GrantField.Handle] as number;
+    const off = ranges[at + GrantField.Offset] as number;
+    if (off < (lastEnd[r] as number)) monotone = false;
+    else lastEnd[r] = off + (ranges[at + GrantField.Length] as number);
+  }
+  if (monotone) return undefined;
+  const order = Array.from({ length: count }, (_, i) => i);
+  const key = (i: number, f: number): number => ranges[i * GRANT_STRIDE + f] as number;
+  order.sort((a, b) => key(a, GrantField.Handle) - key(b, GrantField.Handle) || key(a, GrantField.Offset) - key(b, GrantField.Offset) || a - b);
+  for (let k = 1; k < count; k++) {
+    const a = order[k - 1] as number;
+    const b = order[k] as number;
+    if (key(a, GrantField.Handle) === key(b, GrantField.Handle) && key(b, GrantField.Offset) < key(a, GrantField.Offset) + key(a, GrantField.Length)) {
+      return [Math.max(a, b), Math.min(a, b)];
+    }
+  }
+  return undefined;
+}
+
 
 const DEFAULT_CHUNK = 1024 * 1024;
 const MAX_TIMER_MS = 0x7fffffff;
@@ -373,7 +509,11 @@ export class TransferEngine {
   readonly chunkBytes: number;
   readonly defaultTimeoutMs: number;
   readonly connectTimeoutMs: number;
+  readonly maxGrantRanges: number;
   readonly #transports = new Map<string, Transport>();
+  /** Live range grants, and the grants over each registration (revoked with it). */
+  readonly #grants = new Set<Grant>();
+  readonly #grantsOf = new Map<Registration, Set<Grant>>();
   readonly #logger: Logger;
   readonly #table = new Map<string, PeerConnection>();
   readonly #registrations = new IdRegistry<Registration, 'block'>('block');
@@ -403,6 +543,8 @@ export class TransferEngine {
     this.chunkBytes = checkInteger(options.chunkBytes ?? DEFAULT_CHUNK, 'chunkBytes', 1);
     this.defaultTimeoutMs = checkInteger(options.defaultTimeoutMs ?? 30_000, 'defaultTimeoutMs', 1);
     this.connectTimeoutMs = checkInteger(options.connectTimeoutMs ?? 10_000, 'connectTimeoutMs', 1);
+    this.maxGrantRanges = checkInteger(options.maxGrantRanges ?? 65_536, 'maxGrantRanges', 1);
+    if (this.maxGrantRanges > MAX_GRANT_RANGES) throw new InvalidInputError(`maxGrantRanges must be at most ${MAX_GRANT_RANGES}`, { details: { field: 'maxGrantRanges' } });
     if (this.connectTimeoutMs > MAX_TIMER_MS) throw new InvalidInputError(`connectTimeoutMs must be at most ${MAX_TIMER_MS}`, { details: { field: 'connectTimeoutMs' } });
     const incarnation = options.incarnation ?? randomBytes(12).toString('base64url');
     const hostId = options.hostId ?? defaultHostId();
@@ -499,9 +641,132 @@ export class TransferEngine {
       byteLength: memoryByteLength(memory),
       transports: payloads,
     });
-    const reg = new Registration(id, memory, descriptor, entries, skipped, (r) => this.#registrations.delete(r.id));
+    const reg = new Registration(id, memory, descriptor, entries, skipped, (r) => {
+      this.#registrations.delete(r.id);
+      const dependent = this.#grantsOf.get(r);
+      this.#grantsOf.delete(r);
+      return dependent ? Promise.allSettled([...dependent].map((g) => g.revoke())).then(() => undefined) : Promise.resolve();
+    });
     this.#registrations.set(id, reg);
     return reg;
+  }
+
+  /** Live range grants made by {@link TransferEngine.grant}. */
+  get liveGrants(): number {
+    return this.#grants.size;
+  }
+
+  /**
+   * Grant access to ranges of registered memory as one capability: one token per transport
+   * covers all the ranges, the descriptor carries their lengths compactly, and `revoke()` is
+   * O(1) in the number of ranges. Registrations stay registered; grant per lease. Ranges must
+   * lie inside their registrations, be non-empty, not overlap, and all be of one memory kind.
+   * By default every transport that registered all the memory and supports range grants
+   * grants it; `transports` names them (then each must succeed).
+   */
+  async grant(spec: GrantSpec, options: { transports?: readonly string[] } = {}): Promise<Grant> {
+    this.#assertOpen();
+    await this.start();
+    const { regs, ranges, count } = normalizeGrantSpec(spec, this.maxGrantRanges);
+    let kind: MemoryKind | undefined;
+    for (let k = 0; k < regs.length; k++) {
+      const reg = regs[k] as Registration;
+      if (reg.revoked || this.#registrations.get(reg.id) !== reg) {
+        throw new InvalidInputError(`registrations[${k}] (${reg.id}) is revoked or not registered with this engine`, { details: { field: 'registration', registration: k } });
+      }
+      if (kind !== undefined && reg.memoryKind !== kind) throw new InvalidInputError('a grant covers memory of one kind', { details: { field: 'registration', registration: k } });
+      kind = reg.memoryKind;
+    }
+    // Bounds per range (tight loop over the typed array) and overlap.
+    let bytes = 0;
+    const lengths = new Float64Array(count);
+    for (let i = 0; i < count; i++) {
+      const at = i * GRANT_STRIDE;
+      const r = ranges[at + GrantField.Handle] as number;
+      const off = ranges[at + GrantField.Offset] as number;
+      const len = ranges[at + GrantField.Length] as number;
+      const reg = regs[r];
+      if (reg === undefined || !Number.isSafeInteger(off) || off < 0 || !Number.isSafeInteger(len) || len < 1 || off + len > reg.byteLength) {
+        throw new InvalidInputError(`ranges[${i}] (${String(off)}+${String(len)} of registration ${String(r)}) is empty or outside its registration`, {
+          details: { field: 'ranges', range: i },
+        });
+      }
+      lengths[i] = len;
+      bytes += len;
+    }
+    const overlap = findGrantOverlap(ranges, count, regs.length);
+    if (overlap) throw new InvalidInputError(`ranges[${overlap[0]}] overlaps ranges[${overlap[1]}]`, { details: { field: 'ranges', range: overlap[0] } });
+    const wanted = options.transports ?? [...this.#transports.keys()];
+    const entries = new Map<string, RegistrationEntry>();
+    const skipped = new Map<string, string>();
+    const undo = (): Promise<unknown> => Promise.allSettled([...entries.values()].map((e) => (e.transport.revokeGrant as (h: object) => Promise<void>).call(e.transport, e.handle)));
+    for (const name of wanted) {
+      const t = this.#transports.get(name);
+      if (!t) throw new InvalidInputError(`transport ${JSON.stringify(name)} is not registered with this engine`, { details: { field: 'transports' } });
+      let why: string | undefined;
+      const handles: object[] = [];
+      if (typeof t.grant !== 'function' || typeof t.revokeGrant !== 'function') why = 'does not support range grants';
+      else {
+        for (const reg of regs) {
+          const h = reg.handleFor(name);
+          if (!h) {
+            why = `${reg.id} is not registered with ${name}: ${reg.skipped.get(name) ?? 'not requested'}`;
+            break;
+          }
+          handles.push(h);
+        }
+      }
+      if (why === undefined) {
+        try {
+          const g = await (t.grant as NonNullable<Transport['grant']>).call(t, Object.freeze({ handles, count, ranges, bytes }));
+          if (!(g.payload instanceof Uint8Array) || typeof g.handle !== 'object' || g.handle === null) throw new InvalidInputError(`transport ${name} returned a malformed grant`);
+          entries.set(name, { transport: t, handle: g.handle, payload: g.payload });
+          continue;
+        } catch (e) {
+          why = e instanceof Error ? e.message : String(e);
+          if (options.transports) {
+            await undo();
+            throw toTensorwireError(e, InvalidInputError);
+          }
+        }
+      }
+      if (options.transports) {
+        await undo();
+        throw new InvalidInputError(`transport ${name} cannot grant these ranges: ${why}`, { details: { field: 'transports' } });
+      }
+      skipped.set(name, why);
+    }
+    if (entries.size === 0) {
+      throw new InvalidInputError(`no transport could grant these ranges: ${[...skipped].map(([n, r]) => `${n}: ${r}`).join('; ')}`, { details: { field: 'ranges' } });
+    }
+    const id = this.#ids.next('block');
+    const payloads = new Map<string, Uint8Array>();
+    for (const [name, e] of entries) payloads.set(name, e.payload);
+    let descriptor: Uint8Array;
+    try {
+      descriptor = encodeDescriptor({
+        owner: { nodeId: this.identity.nodeId, incarnation: this.identity.incarnation },
+        registrationId: id,
+        memoryKind: kind as MemoryKind,
+        byteLength: bytes,
+        rangeLengths: lengths,
+        transports: payloads,
+      });
+    } catch (e) {
+      await undo();
+      throw e;
+    }
+    const g = new Grant(id, kind as MemoryKind, bytes, count, descriptor, entries, skipped, (x) => {
+      this.#grants.delete(x);
+      for (const reg of regs) this.#grantsOf.get(reg)?.delete(x);
+    });
+    this.#grants.add(g);
+    for (const reg of regs) {
+      let set = this.#grantsOf.get(reg);
+      if (!set) this.#grantsOf.set(reg, (set = new Set()));
+      set.add(g);
+    }
+    return g;
   }
 
   #validateMemory(memory: Memory): void {
@@ -583,6 +848,7 @@ export class TransferEngine {
     const entries = [...this.#table.values()];
     this.#table.clear();
     await Promise.allSettled(entries.map((pc) => this.#dispose(pc, new ClosedError('engine closed'), 'closed')));
+    await Promise.allSettled([...this.#grants].map((g) => g.revoke()));
     await Promise.allSettled([...this.#registrations.values()].map((r) => r.revoke()));
     await Promise.allSettled([...this.#transports.values()].map((t) => t.close()));
   }
@@ -873,17 +1139,23 @@ export class TransferEngine {
     const locals: object[] = [];
     for (let k = 0; k < localRegs.length; k++) locals.push(this.#localHandle(t, localRegs[k] as Registration, localFirst[k] as number));
     const remotes: unknown[] = [];
-    const remoteLength = new Float64Array(descs.length);
-    // Two descriptor objects may name one registration: overlap checks group by registration id.
-    const remoteGroup = new Uint32Array(descs.length);
-    const groupOf = new Map<string, number>();
+    // Per remote: its ranges' lengths (a whole registration is one range). Two descriptor
+    // objects may name one registration: overlap checks group by registration id and range.
+    const remoteRanges: Float64Array[] = [];
+    const remoteBase = new Float64Array(descs.length);
+    const baseOf = new Map<string, number>();
+    let groups = 0;
     for (let k = 0; k < descs.length; k++) {
       const d = descs[k] as MemoryDescriptor;
       remotes.push(this.#remoteFor(t, ep, d, remoteFirst[k] as number));
-      remoteLength[k] = d.byteLength;
-      let g = groupOf.get(d.registrationId);
-      if (g === undefined) groupOf.set(d.registrationId, (g = groupOf.size));
-      remoteGroup[k] = g;
+      const lengths = d.rangeLengths ?? Float64Array.of(d.byteLength);
+      remoteRanges.push(lengths);
+      let base = baseOf.get(d.registrationId);
+      if (base === undefined) {
+        baseOf.set(d.registrationId, (base = groups));
+        groups += lengths.length;
+      }
+      remoteBase[k] = base;
     }
     // Pass 2: numbers and bounds per request, merged with the previous one where contiguous.
     const ranges = new Float64Array(n * RANGE_STRIDE);
@@ -902,20 +1174,31 @@ export class TransferEngine {
           details: { field: 'localOffset', request: i },
         });
       }
-      const rlen = remoteLength[ri] as number;
+      const lengths = remoteRanges[ri] as Float64Array;
+      const range = r.range === undefined ? 0 : requestInt(r.range, i, 'range', 0);
+      if (range >= lengths.length) {
+        throw new InvalidInputError(`requests[${i}]: range ${range} does not exist (the remote has ${lengths.length})`, { details: { field: 'range', request: i } });
+      }
+      const rlen = lengths[range] as number;
       if (remoteOffset + length > rlen) {
-        throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds registration of ${rlen} bytes`, {
+        throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds ${lengths.length > 1 || range > 0 ? `granted range ${range} of ${rlen}` : `registration of ${rlen}`} bytes`, {
           details: { field: 'remoteOffset', request: i },
         });
       }
       bytes += length;
-      count = appendMerged(ranges, count, i, li, localOffset, ri, remoteOffset, length);
+      count = appendMerged(ranges, count, i, li, localOffset, ri, remoteOffset, length, range);
     }
     // Destinations must not overlap: the bytes of such a batch would depend on ordering.
-    const overlap =
-      op === 'read'
-        ? findOverlap(ranges, count, 'local', identityGroups(localRegs.length), localRegs.length)
-        : findOverlap(ranges, count, 'remote', remoteGroup, groupOf.size);
+    const groupOf = new Uint32Array(count);
+    if (op === 'read') {
+      for (let i = 0; i < count; i++) groupOf[i] = ranges[i * RANGE_STRIDE + RangeField.Local] as number;
+    } else {
+      for (let i = 0; i < count; i++) {
+        const at = i * RANGE_STRIDE;
+        groupOf[i] = (remoteBase[ranges[at + RangeField.Remote] as number] as number) + (ranges[at + RangeField.RemoteRange] as number);
+      }
+    }
+    const overlap = findOverlap(ranges, count, op === 'read' ? 'local' : 'remote', groupOf, op === 'read' ? localRegs.length : groups);
     if (overlap) {
       const a = ranges[overlap[0] * RANGE_STRIDE + RangeField.Request] as number;
       const b = ranges[overlap[1] * RANGE_STRIDE + RangeField.Request] as number;
@@ -954,7 +1237,7 @@ export class TransferEngine {
     const payload = remote.transports.get(t.name);
     if (!payload) throw new InvalidInputError(`requests[${i}].remote has no ${t.name} grant`, { details: { field: 'remote', request: i } });
     try {
-      return t.decodeRemote(payload, remote.memoryKind, remote.byteLength);
+      return remote.rangeLengths === undefined ? t.decodeRemote(payload, remote.memoryKind, remote.byteLength) : t.decodeRemote(payload, remote.memoryKind, remote.byteLength, remote.rangeLengths);
     } catch (e) {
       throw withRequest(toTensorwireError(e, InvalidInputError), i, `requests[${i}].remote: `);
     }

@@ -12,11 +12,13 @@ const LOFF = RangeField.LocalOffset;
 const REM = RangeField.Remote;
 const ROFF = RangeField.RemoteOffset;
 const LEN = RangeField.Length;
+const RR = RangeField.RemoteRange;
 
 /**
- * Append range (request, local, localOffset, remote, remoteOffset, length) to `ranges` holding
- * `count` ranges, merging it into the last one when it continues it on both sides (same local
- * and remote, contiguous offsets). Returns the new count. `ranges` must have room.
+ * Append range (request, local, localOffset, remote, remoteOffset, length, remoteRange) to
+ * `ranges` holding `count` ranges, merging it into the last one when it continues it on both
+ * sides (same local, same remote and remote range, contiguous offsets). Returns the new count.
+ * `ranges` must have room.
  */
 export function appendMerged(
   ranges: Float64Array,
@@ -27,6 +29,7 @@ export function appendMerged(
   remote: number,
   remoteOffset: number,
   length: number,
+  remoteRange = 0,
 ): number {
   if (count > 0) {
     const p = (count - 1) * S;
@@ -34,6 +37,7 @@ export function appendMerged(
     if (
       ranges[p + LOC] === local &&
       ranges[p + REM] === remote &&
+      ranges[p + RR] === remoteRange &&
       (ranges[p + LOFF] as number) + plen === localOffset &&
       (ranges[p + ROFF] as number) + plen === remoteOffset
     ) {
@@ -48,39 +52,38 @@ export function appendMerged(
   ranges[at + REM] = remote;
   ranges[at + ROFF] = remoteOffset;
   ranges[at + LEN] = length;
+  ranges[at + RR] = remoteRange;
   return count + 1;
 }
 
 /**
  * The first range (by position) whose destination overlaps another range's destination, as
  * `[i, j]` range positions (i later, j the one it overlaps), or undefined. The destination of
- * range i is `(group[dest(i)], offset(i), length(i))`: `side` says which side is written, and
- * `group` maps that side's table index to a region (two table entries may name one region).
- * O(n) when destinations come in increasing order per region, O(n log n) otherwise.
+ * range i is `(groupOf[i], offset(i), length(i))`: `side` says which side is written (its
+ * offset field), and `groupOf[i]` (one of `groups`) names the destination region of range i
+ * (two table entries may name one region). O(n) when destinations come in increasing order
+ * per region, O(n log n) otherwise.
  */
-export function findOverlap(ranges: Float64Array, count: number, side: 'local' | 'remote', group: ArrayLike<number>, groups: number): [number, number] | undefined {
-  const D = side === 'local' ? LOC : REM;
+export function findOverlap(ranges: Float64Array, count: number, side: 'local' | 'remote', groupOf: ArrayLike<number>, groups: number): [number, number] | undefined {
   const O = side === 'local' ? LOFF : ROFF;
   const lastEnd = new Float64Array(groups).fill(-1);
-  const lastAt = new Int32Array(groups).fill(-1);
   let monotone = true;
   for (let i = 0; i < count; i++) {
     const at = i * S;
-    const g = group[ranges[at + D] as number] as number;
+    const g = groupOf[i] as number;
     const start = ranges[at + O] as number;
     if (start < (lastEnd[g] as number)) {
       monotone = false;
       break;
     }
     lastEnd[g] = start + (ranges[at + LEN] as number);
-    lastAt[g] = i;
   }
   if (monotone) return undefined;
   const order = new Uint32Array(count);
   for (let i = 0; i < count; i++) order[i] = i;
   order.sort((a, b) => {
-    const ga = group[ranges[a * S + D] as number] as number;
-    const gb = group[ranges[b * S + D] as number] as number;
+    const ga = groupOf[a] as number;
+    const gb = groupOf[b] as number;
     if (ga !== gb) return ga - gb;
     const d = (ranges[a * S + O] as number) - (ranges[b * S + O] as number);
     return d !== 0 ? d : a - b;
@@ -92,7 +95,7 @@ export function findOverlap(ranges: Float64Array, count: number, side: 'local' |
   for (let k = 0; k < count; k++) {
     const i = order[k] as number;
     const at = i * S;
-    const g = group[ranges[at + D] as number] as number;
+    const g = groupOf[i] as number;
     const start = ranges[at + O] as number;
     const end = start + (ranges[at + LEN] as number);
     if (g === prevGroup && start < prevEnd) {
@@ -155,6 +158,7 @@ export function splitIntoBatches(
       dst[o + REM] = ranges[at + REM] as number;
       dst[o + ROFF] = (ranges[at + ROFF] as number) + done;
       dst[o + LEN] = n;
+      dst[o + RR] = ranges[at + RR] as number;
       fill[stream] = (fill[stream] as number) + 1;
       bytes[stream] = (bytes[stream] as number) + n;
       done += n;

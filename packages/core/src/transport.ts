@@ -97,11 +97,18 @@ export const RangeField = {
   LocalOffset: 2,
   /** Index into {@link TransferBatch.remotes}. */
   Remote: 3,
+  /** Offset inside the remote's range {@link RangeField.RemoteRange}. */
   RemoteOffset: 4,
   /** Bytes; at least 1, at most the engine's chunk size for this connection. */
   Length: 5,
+  /**
+   * Which of the remote's ranges `RemoteOffset` is relative to: for a range grant
+   * ({@link Transport.grant}) the index of the granted range; for a whole registration 0
+   * (its one range is the registration, so `RemoteOffset` is an offset into it).
+   */
+  RemoteRange: 6,
 } as const;
-export const RANGE_STRIDE = 6;
+export const RANGE_STRIDE = 7;
 
 /**
  * The ranges one stream of a transfer moves, in a compact form: no object per range.
@@ -227,13 +234,57 @@ export interface Transport {
    * the transport started can still touch the memory.
    */
   revoke(handle: object): Promise<void>;
-  /** Validate and decode a peer's descriptor payload. Throws InvalidInputError. */
-  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown;
+  /**
+   * Grant access to ranges of registrations (register once, grant per lease): one
+   * capability (one unguessable token) over all of them, whatever their number. The payload
+   * should stay small (a token and what peers need to find the grant), not grow per range:
+   * the engine carries the range lengths in the descriptor. A peer's transfer names a range
+   * by index ({@link RangeField.RemoteRange}) and an offset inside it; the serving side checks
+   * it against that range, never the whole registration. Transports without range grants
+   * leave this out; the engine then reports them as unable to grant.
+   */
+  grant?(ranges: GrantRanges): TransportRegistration | Promise<TransportRegistration>;
+  /**
+   * Revoke a grant: O(1) in its number of ranges; from now on access through it fails.
+   * Resolves once nothing the transport started under the grant can still touch the memory.
+   */
+  revokeGrant?(handle: object): Promise<void>;
+  /**
+   * Validate and decode a peer's descriptor payload. Throws InvalidInputError. For a range
+   * grant, `rangeLengths` holds the length of each granted range (from the descriptor).
+   */
+  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths?: Float64Array): unknown;
   /** Open a connection to `peer`. The handshake must prove the peer's nodeId and incarnation. */
   connect(peer: NodeIdentity, endpoint: Uint8Array, options: ConnectOptions): Promise<TransportConnection>;
   /** Idempotent. Closes every connection and listener. */
   close(): Promise<void>;
   [Symbol.asyncDispose](): Promise<void>;
+}
+
+/** Numbers per range in {@link GrantRanges.ranges}. */
+export const GRANT_STRIDE = 3;
+/** Layout of one range in {@link GrantRanges.ranges}. */
+export const GrantField = {
+  /** Index into {@link GrantRanges.handles}. */
+  Handle: 0,
+  /** Offset inside that registration. */
+  Offset: 1,
+  /** Bytes, at least 1. */
+  Length: 2,
+} as const;
+
+/**
+ * The ranges of a range grant ({@link Transport.grant}), validated by the engine: every
+ * range lies inside its registration, has at least one byte, and no two ranges overlap.
+ * Range `k` is `ranges[k * GRANT_STRIDE + GrantField.X]`; peers name it by `k`.
+ */
+export interface GrantRanges {
+  /** Registration handles this transport returned from {@link Transport.register}. */
+  readonly handles: readonly object[];
+  readonly count: number;
+  readonly ranges: Float64Array;
+  /** Sum of the range lengths. */
+  readonly bytes: number;
 }
 
 /** One range as an object, for {@link createTransferBatch}. */
@@ -245,6 +296,8 @@ export interface TransferRangeInit {
   readonly length: number;
   /** Defaults to the range's position in the list. */
   readonly request?: number;
+  /** Defaults to 0 (see {@link RangeField.RemoteRange}). */
+  readonly remoteRange?: number;
 }
 
 /**
@@ -271,6 +324,7 @@ export function createTransferBatch(op: 'read' | 'write', list: readonly Transfe
     ranges[at + RangeField.Remote] = m;
     ranges[at + RangeField.RemoteOffset] = r.remoteOffset;
     ranges[at + RangeField.Length] = r.length;
+    ranges[at + RangeField.RemoteRange] = r.remoteRange ?? 0;
     bytes += r.length;
   });
   return { op, locals, remotes, count: list.length, ranges, bytes };

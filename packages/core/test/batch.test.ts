@@ -117,7 +117,7 @@ describe('batch planning (pure)', () => {
               truth = x.region === y.region && x.offset < y.offset + y.length && y.offset < x.offset + x.length;
             }
           }
-          const found = findOverlap(ranges, list.length, 'local', [0, 1, 2], 3);
+          const found = findOverlap(ranges, list.length, 'local', list.map((r) => r.region), 3);
           expect(found !== undefined).toBe(truth);
           if (found) {
             const x = list[found[0]] as (typeof list)[number];

@@ -12,6 +12,10 @@ import {
   type NodeIdentity,
   type TensorwireError,
   type TransferBatch,
+  type GrantRanges,
+  GRANT_STRIDE,
+  GrantField,
+  RemoteRejectedError,
   RANGE_STRIDE,
   RangeField,
   type Transport,
@@ -20,7 +24,11 @@ import {
   type TransportHost,
 } from '../../src/index.js';
 
-const world = new Map<string, Uint8Array>(); // token hex -> memory
+/** A range grant in the test world: its ranges as views of the granted memory. */
+interface MemGrant {
+  readonly views: Uint8Array[];
+}
+const world = new Map<string, Uint8Array | MemGrant>(); // token hex -> memory or grant
 
 export interface MemTransportOptions {
   name?: string;
@@ -76,6 +84,24 @@ export class MemTransport implements Transport {
   async revoke(handle: object): Promise<void> {
     world.delete((handle as { token: string }).token);
   }
+  grants = 0;
+  grant(ranges: GrantRanges): { handle: object; payload: Uint8Array } {
+    const token = randomBytes(8);
+    const views: Uint8Array[] = [];
+    for (let k = 0; k < ranges.count; k++) {
+      const at = k * GRANT_STRIDE;
+      const buffer = (ranges.handles[ranges.ranges[at + GrantField.Handle] as number] as { buffer: Uint8Array }).buffer;
+      const off = ranges.ranges[at + GrantField.Offset] as number;
+      views.push(buffer.subarray(off, off + (ranges.ranges[at + GrantField.Length] as number)));
+    }
+    world.set(token.toString('hex'), { views });
+    this.grants++;
+    return { handle: { token: token.toString('hex') }, payload: token };
+  }
+  async revokeGrant(handle: object): Promise<void> {
+    this.grants--;
+    world.delete((handle as { token: string }).token);
+  }
   decodeRemote(payload: Uint8Array): unknown {
     return Buffer.from(payload).toString('hex');
   }
@@ -121,8 +147,9 @@ export class MemConnection implements TransportConnection {
     this.#owner.executed.push({ stream, lengths, batch });
     for (let i = 0; i < batch.count; i++) {
       const at = i * RANGE_STRIDE;
-      const remote = world.get(batch.remotes[batch.ranges[at + RangeField.Remote] as number] as string);
-      if (!remote) throw new Error('unknown grant');
+      const entry = world.get(batch.remotes[batch.ranges[at + RangeField.Remote] as number] as string);
+      if (!entry) throw new RemoteRejectedError('unknown grant', { details: { remoteCode: 'UNKNOWN_GRANT', request: batch.ranges[at + RangeField.Request] } });
+      const remote = entry instanceof Uint8Array ? entry : (entry.views[batch.ranges[at + RangeField.RemoteRange] as number] as Uint8Array);
       const local = (batch.locals[batch.ranges[at + RangeField.Local] as number] as { buffer: Uint8Array }).buffer;
       const lo = batch.ranges[at + RangeField.LocalOffset] as number;
       const ro = batch.ranges[at + RangeField.RemoteOffset] as number;
