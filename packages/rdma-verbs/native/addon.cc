@@ -292,6 +292,7 @@ static Napi::Object DescribeContext(Napi::Env env, const Verbs& v, ibv_context* 
   out.Set("maxQp", da.max_qp);
   out.Set("maxQpWr", da.max_qp_wr);
   out.Set("maxSge", da.max_sge);
+  out.Set("maxSgeRd", da.max_sge_rd);  // SGEs per RDMA READ; 0 when the provider does not say
   out.Set("maxCq", da.max_cq);
   out.Set("maxCqe", da.max_cqe);
   out.Set("maxMr", da.max_mr);
@@ -363,6 +364,7 @@ struct QpEntry {
   ibv_qp* qp = nullptr;
   uint32_t cqId = 0;
   uint32_t maxSendWr = 0;
+  uint32_t maxSendSge = 1;
 };
 
 struct CompletionBatch {
@@ -572,6 +574,8 @@ class Device : public Napi::ObjectWrap<Device> {
   std::map<uint32_t, MwEntry> mws_;       // JS thread only
   std::mutex mu_;                         // guards cqs_ against the poller
   std::map<uint32_t, ibv_cq*> cqs_;
+  std::vector<ibv_send_wr> postWrs_;      // post() scratch, JS thread only
+  std::vector<ibv_sge> postSges_;
 
   void CheckOpen(Napi::Env env) {
     if (!open_) throw TypedError(env, "TW_CLOSED", "RDMA device " + name_ + " is closed");
@@ -811,12 +815,15 @@ class Device : public Napi::ObjectWrap<Device> {
     return Napi::Boolean::New(env, true);
   }
 
-  // createQp(cqId, maxSendWr) -> { id, qpn, maxSendWr }
+  // createQp(cqId, maxSendWr, maxSendSge = 1) -> { id, qpn, maxSendWr, maxSendSge }
+  // (the capacities the provider actually gave, at least those asked for)
   Napi::Value CreateQp(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     CheckOpen(env);
     uint32_t cqId = U32(info[0], "cq id");
     uint32_t maxSendWr = U32(info[1], "maxSendWr");
+    uint32_t maxSendSge = info.Length() > 2 && !info[2].IsUndefined() ? U32(info[2], "maxSendSge") : 1;
+    if (maxSendSge == 0) throw TypedError(env, "TW_INVALID_INPUT", "maxSendSge must be at least 1");
     ibv_cq* cq = nullptr;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -832,7 +839,7 @@ class Device : public Napi::ObjectWrap<Device> {
     ia.sq_sig_all = 0;
     ia.cap.max_send_wr = maxSendWr;
     ia.cap.max_recv_wr = 1;
-    ia.cap.max_send_sge = 1;
+    ia.cap.max_send_sge = maxSendSge;
     ia.cap.max_recv_sge = 1;
     ibv_qp* qp = addon_->verbs.create_qp(pd_, &ia);
     if (qp == nullptr) {
@@ -840,12 +847,13 @@ class Device : public Napi::ObjectWrap<Device> {
       throw TypedError(env, "TW_RESOURCE_EXHAUSTED", "ibv_create_qp: " + ErrnoText(e));
     }
     uint32_t id = nextId_++;
-    qps_[id] = QpEntry{qp, cqId, ia.cap.max_send_wr};
+    qps_[id] = QpEntry{qp, cqId, ia.cap.max_send_wr, ia.cap.max_send_sge};
     counters_->qps++;
     Napi::Object o = Napi::Object::New(env);
     o.Set("id", id);
     o.Set("qpn", qp->qp_num);
     o.Set("maxSendWr", ia.cap.max_send_wr);
+    o.Set("maxSendSge", ia.cap.max_send_sge);
     return o;
   }
 
@@ -956,59 +964,134 @@ class Device : public Napi::ObjectWrap<Device> {
     return env.Undefined();
   }
 
-  // post(qpId, wrs: BigUint64Array) with 7 entries per work request:
-  //   op (0 READ, 1 WRITE), wrId, mrId, localOffset, remoteAddr, rkey, length.
-  // Every request is validated against its registration before anything is posted; the
-  // chain is posted linked, every request signaled. Returns the number accepted by the
-  // NIC (all of them unless ibv_post_send failed) and the errno when it failed.
+  // A double that is an integer in [0, max]; false for NaN, fractions and negatives.
+  static bool AsUint(double d, double max, uint64_t* out) {
+    if (!(d >= 0 && d <= max) || d != static_cast<double>(static_cast<uint64_t>(d))) return false;
+    *out = static_cast<uint64_t>(d);
+    return true;
+  }
+
+  // post(qpId, wrs: Float64Array, sges: Float64Array, rkeys: Uint32Array,
+  //      firstWr, count, wrIdBase) -> { posted, errno, error? }
+  //
+  // Posts work requests [firstWr, firstWr + count) of `wrs` as ONE chain (one
+  // ibv_post_send). Layouts (src/native.ts WrField / SgeField):
+  //   wrs:  6 numbers per WR: op (0 READ, 1 WRITE), remote address high 32 bits, low 32 bits,
+  //         index into `rkeys`, first SGE (index into `sges`), SGE count;
+  //   sges: 3 numbers per SGE: MR id, offset in that MR, length.
+  // The remote range of a WR is contiguous (address, total of its SGE lengths); its local side
+  // is the SGE list, gathered (WRITE) or scattered (READ) in order. WR i of the chain gets
+  // wr_id = wrIdBase + i; only the LAST one is signaled, so a chain that succeeds produces one
+  // completion (with wr_id wrIdBase + count - 1). A WR that fails produces an error completion
+  // whether signaled or not, and every later one on the QP flushes with one.
+  // Unsignaled WRs hold send-queue slots until a later signaled completion on the QP retires
+  // them: the caller counts the whole chain as in flight until its last WR completes.
+  // Every WR and SGE is validated (ids, bounds against the registration, counts against the
+  // QP's capacities) before anything is posted. Returns how many WRs the NIC accepted (all
+  // of them unless ibv_post_send failed; then the ones before bad_wr, of which the last is not
+  // signaled) and the errno when it failed.
   Napi::Value Post(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     QpEntry& q = FindQp(env, info[0]);
-    if (info.Length() < 2 || !info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_biguint64_array) {
-      throw TypedError(env, "TW_INVALID_INPUT", "post(qpId, wrs: BigUint64Array)");
+    auto isType = [&](size_t i, napi_typedarray_type t) {
+      return info.Length() > i && info[i].IsTypedArray() && info[i].As<Napi::TypedArray>().TypedArrayType() == t;
+    };
+    if (!isType(1, napi_float64_array) || !isType(2, napi_float64_array) || !isType(3, napi_uint32_array) || info.Length() < 7) {
+      throw TypedError(env, "TW_INVALID_INPUT", "post(qpId, wrs: Float64Array, sges: Float64Array, rkeys: Uint32Array, firstWr, count, wrIdBase)");
     }
-    Napi::TypedArrayOf<uint64_t> arr = info[1].As<Napi::TypedArrayOf<uint64_t>>();
-    size_t n = arr.ElementLength();
-    if (n == 0 || n % 7 != 0) throw TypedError(env, "TW_INVALID_INPUT", "wrs length must be a positive multiple of 7");
-    size_t count = n / 7;
+    Napi::Float64Array wrArr = info[1].As<Napi::Float64Array>();
+    Napi::Float64Array sgeArr = info[2].As<Napi::Float64Array>();
+    Napi::Uint32Array rkeyArr = info[3].As<Napi::Uint32Array>();
+    const size_t wrTotal = wrArr.ElementLength() / 6;
+    const size_t sgeTotal = sgeArr.ElementLength() / 3;
+    uint64_t first = SafeIndex(info[4], "firstWr");
+    uint64_t count = SafeIndex(info[5], "count");
+    uint64_t wrIdBase = SafeIndex(info[6], "wrIdBase");
+    if (count == 0 || first > wrTotal || count > wrTotal - first) throw TypedError(env, "TW_INVALID_INPUT", "work requests out of range");
     if (count > q.maxSendWr) throw TypedError(env, "TW_RESOURCE_EXHAUSTED", "chain longer than the send queue");
-    std::vector<ibv_send_wr> wrs(count);
-    std::vector<ibv_sge> sges(count);
-    const uint64_t* d = arr.Data();
+    if (wrIdBase + count > 9007199254740992ull) throw TypedError(env, "TW_INVALID_INPUT", "wrIdBase + count must stay below 2^53");
+    const double* w = wrArr.Data() + first * 6;
+    const double* sg = sgeArr.Data();
+    const uint32_t* rkeys = rkeyArr.Data();
+    const size_t rkeyCount = rkeyArr.ElementLength();
+
+    // First pass: validate every WR and its SGEs, and count the SGEs.
+    size_t sgeSum = 0;
+    uint32_t lastMrId = 0;
+    const MrEntry* lastMr = nullptr;
     for (size_t i = 0; i < count; i++) {
-      const uint64_t* w = d + i * 7;
-      uint64_t op = w[0], wrId = w[1], mrId = w[2], off = w[3], raddr = w[4], rkey = w[5], len = w[6];
-      if (op > 1) throw TypedError(env, "TW_INVALID_INPUT", "unknown op");
-      auto it = mrs_.find(static_cast<uint32_t>(mrId));
-      if (mrId > 0xffffffffu || it == mrs_.end()) throw TypedError(env, "TW_INVALID_INPUT", "local memory is not registered (or was revoked)");
-      if (len == 0 || len > 0x80000000ull || off > it->second.length || len > it->second.length - off) {
-        throw TypedError(env, "TW_INVALID_INPUT", "local range is outside its registration");
+      const double* f = w + i * 6;
+      uint64_t op, hi, lo, rk, s0, ns;
+      if (!AsUint(f[0], 1, &op)) throw TypedError(env, "TW_INVALID_INPUT", "unknown op");
+      if (!AsUint(f[1], 4294967295.0, &hi) || !AsUint(f[2], 4294967295.0, &lo)) throw TypedError(env, "TW_INVALID_INPUT", "bad remote address");
+      if (!AsUint(f[3], static_cast<double>(rkeyCount) - 1, &rk)) throw TypedError(env, "TW_INVALID_INPUT", "rkey index out of range");
+      if (!AsUint(f[5], static_cast<double>(q.maxSendSge), &ns) || ns == 0) {
+        throw TypedError(env, "TW_INVALID_INPUT", "a work request needs 1.." + std::to_string(q.maxSendSge) + " SGEs");
       }
-      if (rkey > 0xffffffffu || raddr > UINT64_MAX - len) throw TypedError(env, "TW_INVALID_INPUT", "bad remote address or rkey");
-      ibv_mr* mr = it->second.mr;
-      sges[i].addr = reinterpret_cast<uintptr_t>(mr->addr) + off;
-      sges[i].length = static_cast<uint32_t>(len);
-      sges[i].lkey = mr->lkey;
-      std::memset(&wrs[i], 0, sizeof wrs[i]);
-      wrs[i].wr_id = wrId;
-      wrs[i].sg_list = &sges[i];
-      wrs[i].num_sge = 1;
-      wrs[i].opcode = op == 0 ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
-      wrs[i].send_flags = IBV_SEND_SIGNALED;
-      wrs[i].wr.rdma.remote_addr = raddr;
-      wrs[i].wr.rdma.rkey = static_cast<uint32_t>(rkey);
-      wrs[i].next = i + 1 < count ? &wrs[i + 1] : nullptr;
+      if (!AsUint(f[4], static_cast<double>(sgeTotal), &s0) || ns > sgeTotal - s0) throw TypedError(env, "TW_INVALID_INPUT", "SGEs out of range");
+      uint64_t bytes = 0;
+      for (uint64_t k = 0; k < ns; k++) {
+        const double* e = sg + (s0 + k) * 3;
+        uint64_t mrId, off, len;
+        if (!AsUint(e[0], 4294967295.0, &mrId)) throw TypedError(env, "TW_INVALID_INPUT", "bad MR id");
+        if (lastMr == nullptr || mrId != lastMrId) {
+          auto it = mrs_.find(static_cast<uint32_t>(mrId));
+          if (it == mrs_.end()) throw TypedError(env, "TW_INVALID_INPUT", "local memory is not registered (or was revoked)");
+          lastMr = &it->second;
+          lastMrId = static_cast<uint32_t>(mrId);
+        }
+        if (!AsUint(e[1], 9007199254740991.0, &off) || !AsUint(e[2], 2147483648.0, &len) || len == 0 || off > lastMr->length ||
+            len > lastMr->length - off) {
+          throw TypedError(env, "TW_INVALID_INPUT", "local range is outside its registration");
+        }
+        bytes += len;
+      }
+      if (bytes > 0x80000000ull) throw TypedError(env, "TW_INVALID_INPUT", "a work request moves at most 2 GiB");
+      uint64_t raddr = (hi << 32) | lo;
+      if (raddr > UINT64_MAX - bytes) throw TypedError(env, "TW_INVALID_INPUT", "bad remote address");
+      sgeSum += ns;
+    }
+
+    // Second pass: build the chain (the vectors are sized first: sg_list points into them).
+    postWrs_.resize(count);
+    postSges_.resize(sgeSum);
+    size_t at = 0;
+    for (size_t i = 0; i < count; i++) {
+      const double* f = w + i * 6;
+      const size_t s0 = static_cast<size_t>(f[4]), ns = static_cast<size_t>(f[5]);
+      ibv_sge* list = &postSges_[at];
+      for (size_t k = 0; k < ns; k++) {
+        const double* e = sg + (s0 + k) * 3;
+        uint32_t mrId = static_cast<uint32_t>(e[0]);
+        if (lastMr == nullptr || mrId != lastMrId) {
+          lastMr = &mrs_.find(mrId)->second;  // validated above
+          lastMrId = mrId;
+        }
+        ibv_mr* mr = lastMr->mr;
+        list[k].addr = reinterpret_cast<uintptr_t>(mr->addr) + static_cast<uint64_t>(e[1]);
+        list[k].length = static_cast<uint32_t>(e[2]);
+        list[k].lkey = mr->lkey;
+      }
+      at += ns;
+      ibv_send_wr& wr = postWrs_[i];
+      std::memset(&wr, 0, sizeof wr);
+      wr.wr_id = wrIdBase + i;
+      wr.sg_list = list;
+      wr.num_sge = static_cast<int>(ns);
+      wr.opcode = f[0] == 0 ? IBV_WR_RDMA_READ : IBV_WR_RDMA_WRITE;
+      wr.send_flags = i + 1 == count ? IBV_SEND_SIGNALED : 0;
+      wr.wr.rdma.remote_addr = (static_cast<uint64_t>(f[1]) << 32) | static_cast<uint64_t>(f[2]);
+      wr.wr.rdma.rkey = rkeys[static_cast<size_t>(f[3])];
+      wr.next = i + 1 < count ? &postWrs_[i + 1] : nullptr;
     }
     ibv_send_wr* bad = nullptr;
-    int rc = ibv_post_send(q.qp, wrs.data(), &bad);
+    int rc = ibv_post_send(q.qp, postWrs_.data(), &bad);
     size_t posted = count;
     if (rc != 0) {
       posted = 0;
-      for (size_t i = 0; i < count; i++) {
-        if (&wrs[i] == bad) break;
-        posted++;
+      if (bad != nullptr) {
+        for (size_t i = 0; i < count && &postWrs_[i] != bad; i++) posted++;
       }
-      if (bad == nullptr) posted = 0;
     }
     counters_->postedWrs += static_cast<int64_t>(posted);
     Napi::Object o = Napi::Object::New(env);

@@ -78,6 +78,10 @@ export interface DeviceRecord {
   readonly name: string;
   readonly numaNode: number | undefined;
   readonly maxQpWr: number;
+  /** ibv_device_attr.max_sge: SGEs per work request (RDMA WRITE). */
+  readonly maxSge: number;
+  /** ibv_device_attr.max_sge_rd: SGEs per RDMA READ; 0 when the provider does not say (then maxSge applies). */
+  readonly maxSgeRd: number;
   readonly maxQpRdAtom: number;
   readonly maxQpInitRdAtom: number;
   readonly memoryWindowType2: boolean;
@@ -150,6 +154,18 @@ export function lidProblem(linkLayer: number, lid: number): string | undefined {
   if (lid === 0) return 'LID 0 on an InfiniBand port: no subnet manager has assigned a LID (is opensm running on the fabric?)';
   if (lid >= 0xc000) return `LID 0x${lid.toString(16)} is a multicast LID, not a port LID`;
   return undefined;
+}
+
+/**
+ * SGEs per work request: the device's `max_sge` (a provider reporting 0 or nothing counts as
+ * 1), capped by `cap`, and for RDMA READ also by `max_sge_rd` when the provider reports it.
+ * `write` is what a queue pair is created with (`max_send_sge`), so `read` never exceeds it.
+ */
+export function chooseSgeLimits(maxSge: number, maxSgeRd: number, cap: number): { readonly write: number; readonly read: number } {
+  const whole = (v: number): number => (Number.isInteger(v) && v > 0 ? v : 0);
+  const write = Math.max(1, Math.min(whole(maxSge) || 1, whole(cap) || 1));
+  const rd = whole(maxSgeRd);
+  return { write, read: rd > 0 ? Math.min(write, rd) : write };
 }
 
 /** The first ACTIVE port (or the one asked for), with a reason naming every port's state otherwise. */

@@ -66,6 +66,8 @@ export function toDeviceRecord(info: NativeDeviceInfo, root = SYSFS_INFINIBAND):
     name,
     numaNode: readNumaNode(name, root),
     maxQpWr: info.maxQpWr ?? 0,
+    maxSge: info.maxSge ?? 1,
+    maxSgeRd: info.maxSgeRd ?? 0,
     maxQpRdAtom: info.maxQpRdAtom ?? 1,
     maxQpInitRdAtom: info.maxQpInitRdAtom ?? 1,
     memoryWindowType2: info.memoryWindowType2 === true,

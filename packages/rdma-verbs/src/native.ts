@@ -66,7 +66,10 @@ export interface NativeDeviceInfo {
   readonly vendorPartId?: number;
   readonly maxQp?: number;
   readonly maxQpWr?: number;
+  /** SGEs per work request (send, RDMA WRITE). */
   readonly maxSge?: number;
+  /** SGEs per RDMA READ work request; 0 or absent when the provider does not say (then maxSge). */
+  readonly maxSgeRd?: number;
   readonly maxCq?: number;
   readonly maxCqe?: number;
   readonly maxMr?: number;
@@ -109,6 +112,8 @@ export interface NativeQp {
   readonly id: number;
   readonly qpn: number;
   readonly maxSendWr: number;
+  /** SGEs one work request on this QP may carry (at least what createQp asked for). */
+  readonly maxSendSge: number;
 }
 
 export interface RtrAttributes {
@@ -135,8 +140,39 @@ export interface RtsAttributes {
   readonly maxRdAtomic: number;
 }
 
+/**
+ * Layout of one work request in the `wrs` Float64Array of {@link NativeDevice.post}:
+ * {@link WR_STRIDE} numbers per WR at these positions.
+ */
+export const WrField = {
+  /** 0 RDMA READ, 1 RDMA WRITE. */
+  Op: 0,
+  /** Remote address, high and low 32 bits (a 64-bit address does not fit a double exactly). */
+  RemoteHi: 1,
+  RemoteLo: 2,
+  /** Index into the `rkeys` Uint32Array of the post. */
+  Rkey: 3,
+  /** Index of the WR's first SGE in `sges`; its SGEs are consecutive there. */
+  FirstSge: 4,
+  SgeCount: 5,
+} as const;
+export const WR_STRIDE = 6;
+
+/** Layout of one scatter-gather element in the `sges` Float64Array: {@link SGE_STRIDE} numbers. */
+export const SgeField = {
+  /** NativeMr.id of the local registration. */
+  Mr: 0,
+  /** Byte offset inside that registration. */
+  Offset: 1,
+  Length: 2,
+} as const;
+export const SGE_STRIDE = 3;
+
 export interface PostResult {
-  /** How many work requests of the chain the NIC accepted (all, unless ibv_post_send failed). */
+  /**
+   * How many work requests of the chain the NIC accepted: all, unless ibv_post_send failed;
+   * then those before the one it refused, the last of which is not signaled.
+   */
   readonly posted: number;
   readonly errno: number;
   readonly error?: string;
@@ -152,14 +188,28 @@ export interface NativeDevice {
   deregMr(id: number): boolean;
   createCq(cqe: number): number;
   destroyCq(id: number): boolean;
-  createQp(cqId: number, maxSendWr: number): NativeQp;
+  /** An RC QP on `cqId` (send and receive CQ) with room for `maxSendWr` WRs of up to `maxSendSge` (default 1) SGEs each. */
+  createQp(cqId: number, maxSendWr: number, maxSendSge?: number): NativeQp;
   destroyQp(id: number): boolean;
   qpInit(id: number, port: number, access: number): void;
   qpRtr(id: number, attrs: RtrAttributes): void;
   qpRts(id: number, attrs: RtsAttributes): void;
   qpError(id: number): void;
-  /** 7 entries per work request: op (0 READ, 1 WRITE), wrId, mrId, localOffset, remoteAddr, rkey, length. */
-  post(qpId: number, wrs: BigUint64Array): PostResult;
+  /**
+   * Post work requests `[firstWr, firstWr + count)` of `wrs` ({@link WrField}) as one chain in
+   * one ibv_post_send. A WR's remote side is one contiguous range (its address, the sum of its
+   * SGE lengths) opened by `rkeys[wr.Rkey]`; its local side is its SGE list ({@link SgeField}),
+   * scattered (READ) or gathered (WRITE) in order. WR `i` of the chain gets wr_id
+   * `wrIdBase + i`, and only the last is signaled: a chain that succeeds completes once, with
+   * `wrIdBase + count - 1`. A WR that fails completes in error even when unsignaled, and every
+   * later WR on the QP flushes with an error completion. Unsignaled WRs keep their send-queue
+   * slots until a later signaled completion retires them, so the caller counts a chain's
+   * `count` slots as used until its last WR completes. Everything is validated (MR ids, local
+   * bounds, SGE counts against the QP's maxSendSge, `count` against its maxSendWr: a longer
+   * chain throws TW_RESOURCE_EXHAUSTED) before anything is posted; bad input throws
+   * TW_INVALID_INPUT. A failed ibv_post_send is returned, not thrown.
+   */
+  post(qpId: number, wrs: Float64Array, sges: Float64Array, rkeys: Uint32Array, firstWr: number, count: number, wrIdBase: number): PostResult;
   /**
    * Allocate an unbound type-2 memory window on the device's PD. Throws TW_RESOURCE_EXHAUSTED
    * (ENOMEM) or TW_BACKEND_UNAVAILABLE (e.g. EOPNOTSUPP: the provider has no memory windows).

@@ -1,12 +1,17 @@
 /**
- * The `rdma` transport: core's Transport v1 over libibverbs RC queue pairs, one-sided READ
+ * The `rdma` transport: core's Transport v2 over libibverbs RC queue pairs, one-sided READ
  * and WRITE.
  *
  * - A connection owns everything per peer: its control socket, one CQ, N queue pairs
- *   (streams), the work requests in flight and the operations waiting for send credits.
+ *   (streams), the chains of work requests in flight and the batches waiting for send slots.
  *   The transport finds connections by peer identity; a CQ id only routes completions to
  *   the connection that owns the CQ.
- * - Work is posted in signaled chains, never more than the send queue holds; the rest waits.
+ * - A batch becomes a plan once (cached per batch): ranges back to back on the remote side
+ *   of one grant become ONE work request with an SGE list (up to the device's max_sge, and at
+ *   most maxChunkBytes per request), the others one request each. Requests are posted in
+ *   chains (one ibv_post_send each) with only the last one signaled, so a chain completes
+ *   once; a chain holds its send-queue slots until that completion, and a queue pair never
+ *   has more than its send-queue depth posted; the rest waits.
  * - On a failed completion, an abort or a deadline with work on the NIC, the connection is
  *   quiesced (every QP to ERR, then every outstanding work request is waited for until it has
  *   flushed) before anything is rejected, so memory is never reused while the NIC can still
@@ -17,6 +22,8 @@ import { createConnection, createServer, type Server, type Socket } from 'node:n
 import { networkInterfaces } from 'node:os';
 import {
   BackendUnavailableError,
+  RANGE_STRIDE,
+  RangeField,
   ClosedError,
   ConnectionBrokenError,
   InvalidInputError,
@@ -36,7 +43,7 @@ import {
   type MemoryKind,
   type NodeIdentity,
   type TensorwireError,
-  type TransferChunk,
+  type TransferBatch,
   type Transport,
   type TransportCapabilities,
   type TransportConnection,
@@ -46,6 +53,7 @@ import {
 import {
   addressVector,
   chooseMtu,
+  chooseSgeLimits,
   chooseRdAtomic,
   grantMode,
   isIpv4MappedGid,
@@ -55,7 +63,19 @@ import {
   type DeviceRecord,
 } from './attributes.js';
 import { capabilities as probeCapabilities, type RdmaCapabilities } from './capabilities.js';
-import { Access, WcStatus, loadNative, nativeError, tryLoadNative, type NativeAddon, type NativeDevice } from './native.js';
+import {
+  Access,
+  SGE_STRIDE,
+  SgeField,
+  WR_STRIDE,
+  WcStatus,
+  WrField,
+  loadNative,
+  nativeError,
+  tryLoadNative,
+  type NativeAddon,
+  type NativeDevice,
+} from './native.js';
 import { MAX_BINDS_IN_FLIGHT, tokenHex, WindowKeyCache, WindowLedger, type Binding, type WindowKeys } from './windows.js';
 import {
   FrameReader,
@@ -102,6 +122,12 @@ export interface RdmaTransportOptions {
   queuePairsPerPeer?: number;
   /** Send-queue depth per QP (work requests in flight). Default 128, capped by the device. */
   maxSendWr?: number;
+  /**
+   * Most scatter-gather elements per work request (ranges back to back on the remote side
+   * become one request with one SGE per local piece). Default and cap: the device's max_sge
+   * (max_sge_rd for READs, when the provider reports it), at most 64.
+   */
+  maxSge?: number;
   /** Address the out-of-band TCP listener binds. Default 0.0.0.0. */
   listenHost?: string;
   listenPort?: number;
@@ -144,7 +170,12 @@ const ACCESS = Access.LocalWrite | Access.RemoteRead | Access.RemoteWrite;
  * queue pair to ERR. 1 GiB is safe on every HCA we know of.
  */
 const MAX_WR_BYTES = 0x40000000;
-const POST_BATCH = 32;
+/** SGEs per work request asked for at most, whatever the device reports. */
+const MAX_SGE = 64;
+/** Work requests per chain (one ibv_post_send, one completion) at most. */
+const MAX_CHAIN_WRS = 64;
+const ENOMEM = 12;
+const EAGAIN = 11;
 /** Send-queue slots per QP kept for BIND_MW work requests (so binds never wait behind data). */
 const BIND_SLOTS = 4;
 /** BINDs one connection may have in flight; a peer sending more is violating the protocol. */
@@ -198,32 +229,56 @@ class RemoteRegion {
   }
 }
 
-interface Op {
-  readonly total: number;
-  done: number;
-  posted: number;
-  queued: number;
+/**
+ * What a batch becomes on this transport: its work requests and SGEs in the layouts of
+ * NativeDevice.post, derived once per batch (batches are immutable) and shared by every post
+ * of it. It holds no keys and no state: rkeys are per queue pair and per post, passed beside it.
+ */
+interface Plan {
+  /** The batch it was made from (for error details; the plan is cached under it). */
+  readonly batch: TransferBatch;
+  readonly op: 'read' | 'write';
+  /** batch.locals, checked to be this transport's registrations. */
+  readonly regs: readonly RdmaRegistration[];
+  /** batch.remotes, checked to be rdma descriptors. */
+  readonly remotes: readonly RemoteRegion[];
+  /** WR_STRIDE numbers per work request; WrField.Rkey is an index into `remotes`. */
+  readonly wrs: Float64Array;
+  readonly sges: Float64Array;
+  readonly wrCount: number;
+}
+
+/** One execute() call: one batch on one stream. */
+interface Job {
+  readonly plan: Plan;
+  readonly stream: Stream;
+  /** The transfer it belongs to (ExecuteOptions.transfer, else its signal): its streams fail together. */
+  readonly group: object;
+  readonly signal: AbortSignal;
+  /** rkeys[remote index] for this stream's queue pair; filled before the job is queued. */
+  readonly rkeys: Uint32Array;
+  /** memory-window grants: the keys it uses; UNBIND marks them revoked. */
+  readonly windows: WindowKeys[];
+  /** Next work request of the plan to post. */
+  next: number;
+  /** Its chains on the NIC. */
+  chains: number;
+  /** Counted in its registrations' `posted` (from its first post until it settles). */
+  holding: boolean;
+  /** In its stream's queue. */
+  queued: boolean;
   error: TensorwireError | undefined;
   settled: boolean;
-  readonly signal: AbortSignal;
   resolve(): void;
   reject(e: TensorwireError): void;
   cleanup(): void;
 }
 
-interface Pending {
-  readonly op: Op;
-  readonly chunk: TransferChunk;
-  readonly reg: RdmaRegistration;
-  readonly remote: RemoteGrant;
-  /** RemoteRegion.windowToken of the chunk's remote. */
-  readonly windowToken: string | undefined;
-  readonly stream: number;
-  /** The rkey for this stream's queue pair: the MR's, or the window bound to this QP. */
-  rkey: number;
-  /** memory-window grants: the keys it uses; UNBIND marks them revoked. */
-  window: WindowKeys | undefined;
-  wrId: number;
+/** Work requests posted in one ibv_post_send; wr_ids base..base+count-1, the last one signaled. */
+interface Chain {
+  readonly job: Job;
+  readonly base: number;
+  readonly count: number;
 }
 
 interface BindWait {
@@ -236,9 +291,170 @@ interface BindWait {
 interface Stream {
   readonly qpId: number;
   readonly qpn: number;
+  /** Data work requests this QP may hold (its send queue less the bind slots). */
   readonly maxSendWr: number;
-  readonly inflight: Map<number, Pending>;
-  queue: Pending[];
+  /** Work requests per chain at most. */
+  readonly chainWrs: number;
+  /** Send-queue slots held by chains on the NIC (every WR of a chain, until its completion). */
+  used: number;
+  /** Jobs waiting for slots, in order; the head may be part posted. */
+  queue: Job[];
+}
+
+/** The caller's request index of the first range whose `field` is `index` (for error details). */
+function requestOf(batch: TransferBatch, field: number, index: number): number | undefined {
+  const r = batch.ranges;
+  for (let at = 0; at < batch.count * RANGE_STRIDE; at += RANGE_STRIDE) if (r[at + field] === index) return r[at + RangeField.Request];
+  return undefined;
+}
+
+/**
+ * Validate a batch and lay it out as work requests. Ranges in order that are back to back on
+ * the remote side of the same remote become one work request (an SGE per local piece, pieces
+ * back to back in one registration merged into one SGE) while it has fewer than `maxSge` SGEs
+ * and at most `maxWrBytes` bytes. Cost per range: a few comparisons and typed-array writes.
+ */
+function buildPlan(batch: TransferBatch, owner: RdmaTransport, sge: { readonly read: number; readonly write: number }, maxWrBytes: number): Plan {
+  const { op, locals, remotes, count, ranges } = batch;
+  if (op !== 'read' && op !== 'write') throw new InvalidInputError(`unknown op ${String(op)}`, { details: { field: 'op' } });
+  if (!Number.isSafeInteger(count) || count < 0 || !(ranges instanceof Float64Array) || ranges.length < count * RANGE_STRIDE) {
+    throw new InvalidInputError('malformed transfer batch: ranges do not hold count ranges', { details: { field: 'ranges' } });
+  }
+  const regs: RdmaRegistration[] = [];
+  const localLen = new Float64Array(locals.length);
+  const localMr = new Float64Array(locals.length);
+  for (let i = 0; i < locals.length; i++) {
+    const reg = locals[i];
+    if (!(reg instanceof RdmaRegistration) || reg.owner !== owner) {
+      const request = requestOf(batch, RangeField.Local, i);
+      throw new InvalidInputError(`request ${String(request)}: local memory is not registered with this rdma transport`, { details: { field: 'local', request } });
+    }
+    regs.push(reg);
+    localLen[i] = reg.length;
+    localMr[i] = reg.mrId;
+  }
+  const regions: RemoteRegion[] = [];
+  const remoteLen = new Float64Array(remotes.length);
+  const remoteHi = new Float64Array(remotes.length);
+  const remoteLo = new Float64Array(remotes.length);
+  for (let i = 0; i < remotes.length; i++) {
+    const r = remotes[i];
+    if (!(r instanceof RemoteRegion)) {
+      const request = requestOf(batch, RangeField.Remote, i);
+      throw new InvalidInputError(`request ${String(request)}: remote is not an rdma descriptor`, { details: { field: 'remote', request } });
+    }
+    regions.push(r);
+    remoteLen[i] = r.grant.length;
+    remoteHi[i] = Number(r.grant.addr >> 32n);
+    remoteLo[i] = Number(r.grant.addr & 0xffffffffn);
+  }
+  const maxSge = op === 'read' ? sge.read : sge.write;
+  // Layout positions as locals: the loop reads registers, not properties of imported objects.
+  const RS = RANGE_STRIDE;
+  const [rLocal, rLocalOffset, rRemote, rRemoteOffset, rLength] = [RangeField.Local, RangeField.LocalOffset, RangeField.Remote, RangeField.RemoteOffset, RangeField.Length];
+  const WS = WR_STRIDE;
+  const [wOp, wHi, wLo, wRkey, wFirst, wCount] = [WrField.Op, WrField.RemoteHi, WrField.RemoteLo, WrField.Rkey, WrField.FirstSge, WrField.SgeCount];
+  const SS = SGE_STRIDE;
+  const [sMr, sOffset, sLength] = [SgeField.Mr, SgeField.Offset, SgeField.Length];
+  const wrs = new Float64Array(count * WS);
+  const sges = new Float64Array(count * SS);
+  let w = -1; // current work request
+  let wrRemote = -1;
+  let wrEnd = -1; // remote offset just past the current work request
+  let wrBytes = 0;
+  let wrSges = 0;
+  let e = -1; // current SGE
+  let sgeLocal = -1;
+  let sgeStart = 0; // local offset of the current SGE
+  let sgeEnd = -1; // local offset just past it
+  const opCode = op === 'read' ? 0 : 1;
+  for (let i = 0, at = 0; i < count; i++, at += RS) {
+    const l = ranges[at + rLocal] as number;
+    const lo = ranges[at + rLocalOffset] as number;
+    const m = ranges[at + rRemote] as number;
+    const ro = ranges[at + rRemoteOffset] as number;
+    const len = ranges[at + rLength] as number;
+    // An index out of range reads undefined, and every comparison with it is false.
+    if (
+      !(len >= 1 && len <= maxWrBytes && lo >= 0 && lo + len <= (localLen[l] as number) && ro >= 0 && ro + len <= (remoteLen[m] as number)) ||
+      Math.floor(lo) !== lo ||
+      Math.floor(ro) !== ro ||
+      Math.floor(len) !== len
+    ) {
+      throw rangeError(batch, i, localLen, remoteLen, maxWrBytes);
+    }
+    if (m === wrRemote && ro === wrEnd && wrBytes + len <= maxWrBytes) {
+      if (l === sgeLocal && lo === sgeEnd) {
+        // Back to back locally too: the same SGE grows.
+        sgeEnd += len;
+        sges[e * SS + sLength] = sgeEnd - sgeStart;
+        wrEnd += len;
+        wrBytes += len;
+        continue;
+      }
+      if (wrSges < maxSge) {
+        e++;
+        sges[e * SS + sMr] = localMr[l] as number;
+        sges[e * SS + sOffset] = lo;
+        sges[e * SS + sLength] = len;
+        sgeLocal = l;
+        sgeStart = lo;
+        sgeEnd = lo + len;
+        wrSges++;
+        wrs[w * WS + wCount] = wrSges;
+        wrEnd += len;
+        wrBytes += len;
+        continue;
+      }
+    }
+    w++;
+    e++;
+    const sum = (remoteLo[m] as number) + ro; // exact: both below 2^53
+    const carry = Math.floor(sum / 0x100000000);
+    const base = w * WS;
+    wrs[base + wOp] = opCode;
+    wrs[base + wHi] = (remoteHi[m] as number) + carry;
+    wrs[base + wLo] = sum - carry * 0x100000000;
+    wrs[base + wRkey] = m;
+    wrs[base + wFirst] = e;
+    wrs[base + wCount] = 1;
+    sges[e * SS + sMr] = localMr[l] as number;
+    sges[e * SS + sOffset] = lo;
+    sges[e * SS + sLength] = len;
+    wrRemote = m;
+    wrEnd = ro + len;
+    wrBytes = len;
+    wrSges = 1;
+    sgeLocal = l;
+    sgeStart = lo;
+    sgeEnd = lo + len;
+  }
+  return { batch, op, regs, remotes: regions, wrs: wrs.slice(0, (w + 1) * WS), sges: sges.slice(0, (e + 1) * SS), wrCount: w + 1 };
+}
+
+/** The error for range `i` that failed the bounds check: which bound, named by its request. */
+function rangeError(batch: TransferBatch, i: number, localLen: Float64Array, remoteLen: Float64Array, maxWrBytes: number): InvalidInputError {
+  const at = i * RANGE_STRIDE;
+  const r = batch.ranges;
+  const request = r[at + RangeField.Request];
+  const [l, lo, m, ro, len] = [RangeField.Local, RangeField.LocalOffset, RangeField.Remote, RangeField.RemoteOffset, RangeField.Length].map((f) => r[at + f] as number) as [
+    number,
+    number,
+    number,
+    number,
+    number,
+  ];
+  const size = (a: Float64Array, x: number): number | undefined => (Number.isInteger(x) && x >= 0 && x < a.length ? a[x] : undefined);
+  const whole = (x: number): boolean => Number.isSafeInteger(x) && x >= 0;
+  const details = (field: string): { details: Record<string, unknown> } => ({ details: { field, request } });
+  const ls = size(localLen, l);
+  const rs = size(remoteLen, m);
+  if (ls === undefined) return new InvalidInputError(`request ${request}: range ${i} names local ${l}, not one of the batch's ${localLen.length}`, details('local'));
+  if (rs === undefined) return new InvalidInputError(`request ${request}: range ${i} names remote ${m}, not one of the batch's ${remoteLen.length}`, details('remote'));
+  if (!whole(len) || len < 1) return new InvalidInputError(`request ${request}: length ${len} is not a positive integer`, details('length'));
+  if (len > maxWrBytes) return new InvalidInputError(`request ${request}: ${len} bytes exceeds one work request (${maxWrBytes})`, details('length'));
+  if (!whole(lo) || lo + len > ls) return new InvalidInputError(`request ${request}: local range ${lo}+${len} is outside its registration of ${ls} bytes`, details('localOffset'));
+  return new InvalidInputError(`request ${request}: remote range ${ro}+${len} is outside its registration of ${rs} bytes`, details('remoteOffset'));
 }
 
 function wcError(status: number, vendorErr: number, native: NativeAddon, peer: string): TensorwireError {
@@ -355,8 +571,9 @@ export class RdmaConnection implements TransportConnection {
   readonly #control: Control;
   readonly #cqId: number;
   readonly #streams: Stream[];
-  readonly #byWr = new Map<number, Pending>();
-  readonly #ops = new Set<Op>();
+  /** Chains on the NIC, by the wr_id of their last (signaled) work request. */
+  readonly #chains = new Map<number, Chain>();
+  readonly #ops = new Set<Job>();
   readonly #closeListeners: ((e: TensorwireError | undefined) => void)[] = [];
   readonly #retireListeners: (() => void)[] = [];
   #nextWrId = 1;
@@ -391,12 +608,20 @@ export class RdmaConnection implements TransportConnection {
     this.initiator = initiator;
     this.streams = q.qps.length;
     this.#cqId = q.cqId;
-    this.#streams = q.qps.map((x) => ({ qpId: x.id, qpn: x.qpn, maxSendWr: x.maxSendWr, inflight: new Map(), queue: [] }));
+    this.#streams = q.qps.map((x) => ({
+      qpId: x.id,
+      qpn: x.qpn,
+      maxSendWr: x.maxSendWr,
+      // Several chains in flight per QP, so the send queue refills while one completes.
+      chainWrs: Math.max(1, Math.min(MAX_CHAIN_WRS, Math.ceil(x.maxSendWr / 4))),
+      used: 0,
+      queue: [],
+    }));
     this.#keys = new WindowKeyCache(this.streams, (requestId, token) => control.send({ type: 'bind', requestId, token }));
     control.onMessage((m) => this.#onControl(m));
     control.onFailure((e) => {
       if (this.#state === 'open' || this.#state === 'retiring') {
-        void this.#shutdown(this.#peerClosed && this.#byWr.size === 0 ? undefined : e, e);
+        void this.#shutdown(this.#peerClosed && this.#chains.size === 0 ? undefined : e, e);
       }
     });
   }
@@ -405,9 +630,14 @@ export class RdmaConnection implements TransportConnection {
     return this.#state === 'open';
   }
 
-  /** Work requests on the NIC right now (all streams, window binds included). */
+  /** Chains of work requests on the NIC right now (all streams), window binds included. */
   get outstanding(): number {
-    return this.#byWr.size + this.#binds.size;
+    return this.#chains.size + this.#binds.size;
+  }
+
+  /** Send-queue slots held by data work requests on `stream`'s queue pair (for tests and diagnostics). */
+  slotsInUse(stream: number): number {
+    return this.#streams[stream]?.used ?? 0;
   }
 
   /** Memory windows this side holds for the peer (holder side, memory-window grants). */
@@ -429,68 +659,45 @@ export class RdmaConnection implements TransportConnection {
     this.#retireListeners.push(listener);
   }
 
-  execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+  execute(stream: number, batch: TransferBatch, options: ExecuteOptions): Promise<void> {
     if (this.#state !== 'open') {
       return Promise.reject(this.#closeError ?? new ClosedError(`rdma connection to ${this.peer.nodeId} is ${this.#state}`));
     }
     if (!Number.isInteger(stream) || stream < 0 || stream >= this.streams) {
       return Promise.reject(new InvalidInputError(`stream ${stream} is not in 0..${this.streams - 1}`, { details: { field: 'stream' } }));
     }
-    const pendings: Pending[] = [];
-    let op!: Op;
+    let plan: Plan;
     try {
-      for (const [i, c] of chunks.entries()) {
-        const reg = c.local;
-        if (!(reg instanceof RdmaRegistration) || reg.owner !== this.#owner) {
-          throw new InvalidInputError(`chunk ${i}: local memory is not registered with this rdma transport`, { details: { field: 'local' } });
-        }
-        if (reg.revoked) throw new InvalidInputError(`chunk ${i}: local registration was revoked`, { details: { field: 'local' } });
-        if (!(c.remote instanceof RemoteRegion)) {
-          throw new InvalidInputError(`chunk ${i}: remote is not an rdma descriptor`, { details: { field: 'remote' } });
-        }
-        if (c.op !== 'read' && c.op !== 'write') throw new InvalidInputError(`chunk ${i}: unknown op`, { details: { field: 'op' } });
-        const g = c.remote.grant;
-        const ok = (off: number, len: number, size: number): boolean =>
-          Number.isSafeInteger(off) && Number.isSafeInteger(len) && off >= 0 && len > 0 && off + len <= size;
-        if (!ok(c.localOffset, c.length, reg.length)) {
-          throw new InvalidInputError(`chunk ${i}: local range ${c.localOffset}+${c.length} is outside its registration of ${reg.length} bytes`, {
-            details: { field: 'localOffset' },
-          });
-        }
-        if (!ok(c.remoteOffset, c.length, g.length)) {
-          throw new InvalidInputError(`chunk ${i}: remote range ${c.remoteOffset}+${c.length} is outside its registration of ${g.length} bytes`, {
-            details: { field: 'remoteOffset' },
-          });
-        }
-        if (c.length > MAX_WR_BYTES) throw new InvalidInputError(`chunk ${i}: ${c.length} bytes exceeds one work request`, { details: { field: 'length' } });
-        pendings.push({
-          op: undefined as unknown as Op,
-          chunk: c,
-          reg,
-          remote: g,
-          windowToken: c.remote.windowToken,
-          stream,
-          rkey: g.grant === 'mr' ? g.rkey : 0,
-          window: undefined,
-          wrId: 0,
-        });
-      }
+      plan = this.#owner.plan(batch);
     } catch (e) {
       return Promise.reject(toTensorwireError(e, InvalidInputError));
     }
+    // What can change between posts of the same batch is checked on every post.
+    for (let i = 0; i < plan.regs.length; i++) {
+      if ((plan.regs[i] as RdmaRegistration).revoked) {
+        const request = requestOf(batch, RangeField.Local, i);
+        return Promise.reject(new InvalidInputError(`request ${String(request)}: local registration was revoked`, { details: { field: 'local', request } }));
+      }
+    }
     if (options.signal.aborted) return Promise.reject(errorFromSignal(options.signal, 'rdma transfer'));
-    if (pendings.length === 0) return Promise.resolve();
+    if (plan.wrCount === 0) return Promise.resolve();
+    const s = this.#streams[stream] as Stream;
     return new Promise<void>((resolve, reject) => {
-      const onAbort = (): void => this.#abortOp(op, errorFromSignal(options.signal, 'rdma transfer'));
-      const timer = setTimeout(() => this.#abortOp(op, new TimedOutError(`rdma transfer to ${this.peer.nodeId} passed its deadline`)), Math.max(0, options.deadline - Date.now()));
-      op = {
-        total: pendings.length,
-        done: 0,
-        posted: 0,
-        queued: 0,
+      const onAbort = (): void => this.#abortJob(job, errorFromSignal(options.signal, 'rdma transfer'));
+      const timer = setTimeout(() => this.#abortJob(job, new TimedOutError(`rdma transfer to ${this.peer.nodeId} passed its deadline`)), Math.max(0, options.deadline - Date.now()));
+      const job: Job = {
+        plan,
+        stream: s,
+        group: options.transfer ?? options.signal,
+        signal: options.signal,
+        rkeys: new Uint32Array(plan.remotes.length),
+        windows: [],
+        next: 0,
+        chains: 0,
+        holding: false,
+        queued: false,
         error: undefined,
         settled: false,
-        signal: options.signal,
         resolve,
         reject,
         cleanup: () => {
@@ -499,135 +706,151 @@ export class RdmaConnection implements TransportConnection {
         },
       };
       options.signal.addEventListener('abort', onAbort, { once: true });
-      this.#ops.add(op);
-      const s = this.#streams[stream] as Stream;
-      const start = (keys: ReadonlyMap<string, WindowKeys>): void => {
-        if (op.settled) return;
-        if (op.error !== undefined || (this.#state !== 'open' && this.#state !== 'retiring')) {
-          op.error ??= this.#closeError ?? new SessionInvalidatedError(`rdma connection to ${this.peer.nodeId} closed before the transfer started`);
-          this.#maybeSettle(op);
+      this.#ops.add(job);
+      const start = (): void => {
+        if (job.settled) return;
+        if (job.error !== undefined || (this.#state !== 'open' && this.#state !== 'retiring')) {
+          job.error ??= this.#closeError ?? new SessionInvalidatedError(`rdma connection to ${this.peer.nodeId} closed before the transfer started`);
+          this.#maybeSettle(job);
           return;
         }
-        for (const p of pendings) {
-          if (p.windowToken !== undefined) {
-            const k = keys.get(p.windowToken) as WindowKeys;
-            p.window = k;
-            p.rkey = k.rkeys[stream] as number;
-          }
-          s.queue.push({ ...p, op });
-        }
-        op.queued = pendings.length;
+        s.queue.push(job);
+        job.queued = true;
         this.#pump(s);
       };
-      // Memory-window grants need this connection's rkeys first (one BIND per grant, cached).
-      // Nothing is posted until every key is here, so a refusal fails the transfer cleanly.
-      const keys = new Map<string, WindowKeys>();
-      const waits: Promise<unknown>[] = [];
-      for (const p of pendings) {
-        const hex = p.windowToken;
-        if (hex === undefined || p.remote.grant !== 'window' || keys.has(hex)) continue;
-        const k = this.#keys.get(p.remote.token, hex);
-        if (k instanceof Promise) waits.push(k.then((v) => keys.set(hex, v)));
-        else keys.set(hex, k);
+      // rkeys for this stream's QP: an MR grant's own, or this connection's window for a
+      // memory-window grant (one BIND per grant, cached). Nothing is posted until every key is
+      // here, so a refusal fails the transfer cleanly.
+      let waits: Promise<void>[] | undefined;
+      for (let m = 0; m < plan.remotes.length; m++) {
+        const r = plan.remotes[m] as RemoteRegion;
+        const g = r.grant;
+        if (g.grant === 'mr') {
+          job.rkeys[m] = g.rkey;
+          continue;
+        }
+        const k = this.#keys.get(g.token, r.windowToken);
+        if (k instanceof Promise) {
+          (waits ??= []).push(
+            k.then((v) => {
+              job.rkeys[m] = v.rkeys[stream] as number;
+              job.windows.push(v);
+            }),
+          );
+        } else {
+          job.rkeys[m] = k.rkeys[stream] as number;
+          job.windows.push(k);
+        }
       }
-      if (waits.length === 0) start(keys);
+      if (waits === undefined) start();
       else {
-        Promise.all(waits).then(
-          () => start(keys),
-          (e: unknown) => {
-            if (op.settled) return;
-            op.error ??= toTensorwireError(e);
-            this.#maybeSettle(op);
-          },
-        );
+        Promise.all(waits).then(start, (e: unknown) => {
+          if (job.settled) return;
+          job.error ??= toTensorwireError(e);
+          this.#maybeSettle(job);
+        });
       }
     });
   }
 
+  /** Why a job must not post more: a registration revoked, or a grant revoked by the holder (UNBIND). */
+  #stale(job: Job): TensorwireError | undefined {
+    const what = job.next === 0 ? 'its transfer started' : 'all of its transfer was posted';
+    const { regs } = job.plan;
+    for (let i = 0; i < regs.length; i++) {
+      if ((regs[i] as RdmaRegistration).revoked) {
+        const request = requestOf(job.plan.batch, RangeField.Local, i);
+        return new InvalidInputError(`request ${String(request)}: local registration was revoked before ${what}`, { details: { field: 'local', request } });
+      }
+    }
+    for (const k of job.windows) {
+      // Its windows are gone: a READ or WRITE through them would fail on the NIC.
+      if (k.revoked) return new RemoteRejectedError(`${this.peer.nodeId} revoked the grant before ${what}`, { details: { remoteCode: 'grant-revoked' } });
+    }
+    return undefined;
+  }
+
+  /**
+   * Post chains from the stream's queue while its send queue has room: at most `chainWrs`
+   * work requests per chain, one ibv_post_send each, every WR of a chain holding its slot
+   * until the chain's (last, signaled) completion.
+   */
   #pump(s: Stream): void {
-    while (this.#state !== 'closing' && this.#state !== 'closed' && s.queue.length > 0 && s.inflight.size < s.maxSendWr) {
-      const room = Math.min(s.maxSendWr - s.inflight.size, POST_BATCH);
-      const batch: Pending[] = [];
-      while (batch.length < room && s.queue.length > 0) {
-        const p = s.queue.shift() as Pending;
-        p.op.queued--;
-        if (p.op.error !== undefined) {
-          this.#maybeSettle(p.op);
-          continue;
-        }
-        if (p.reg.revoked) {
-          p.op.error = new InvalidInputError('local registration was revoked before its transfer started', { details: { field: 'local' } });
-          this.#dropQueued(p.op);
-          this.#maybeSettle(p.op);
-          continue;
-        }
-        if (p.window?.revoked === true) {
-          // The holder revoked the grant (UNBIND): its windows are gone, a READ would fail on the NIC.
-          p.op.error = new RemoteRejectedError(`${this.peer.nodeId} revoked the grant before the transfer reached it`, { details: { remoteCode: 'grant-revoked' } });
-          this.#dropQueued(p.op);
-          this.#maybeSettle(p.op);
-          continue;
-        }
-        batch.push(p);
+    while (this.#state !== 'closing' && this.#state !== 'closed' && s.queue.length > 0) {
+      const room = s.maxSendWr - s.used;
+      if (room <= 0) return;
+      const job = s.queue[0] as Job;
+      if (job.error === undefined) job.error = this.#stale(job);
+      if (job.error !== undefined) {
+        s.queue.shift();
+        job.queued = false;
+        this.#maybeSettle(job);
+        continue;
       }
-      if (batch.length === 0) continue;
-      const wrs = new BigUint64Array(batch.length * 7);
-      batch.forEach((p, i) => {
-        p.wrId = this.#nextWrId++;
-        const c = p.chunk;
-        wrs.set(
-          [
-            c.op === 'read' ? 0n : 1n,
-            BigInt(p.wrId),
-            BigInt(p.reg.mrId),
-            BigInt(c.localOffset),
-            p.remote.addr + BigInt(c.remoteOffset),
-            BigInt(p.rkey),
-            BigInt(c.length),
-          ],
-          i * 7,
-        );
-      });
+      const { plan } = job;
+      const n = Math.min(room, s.chainWrs, plan.wrCount - job.next);
+      const base = this.#nextWrId;
       let posted = 0;
-      let failure: TensorwireError | undefined;
+      let errno = 0;
+      let text: string | undefined;
+      let thrown: TensorwireError | undefined;
       try {
-        const r = this.#device.post(s.qpId, wrs);
+        const r = this.#device.post(s.qpId, plan.wrs, plan.sges, job.rkeys, job.next, n, base);
         posted = r.posted;
-        if (r.errno !== 0) {
-          failure =
-            r.errno === 12
-              ? new ResourceExhaustedError(`send queue full: ${r.error ?? ''}`)
-              : new ConnectionBrokenError(`posting to ${this.peer.nodeId} failed: ${r.error ?? `errno ${r.errno}`}`);
-        }
+        errno = r.errno;
+        text = r.error;
       } catch (e) {
-        failure = nativeError(e, 'ibv_post_send');
+        thrown = nativeError(e, 'ibv_post_send');
       }
-      for (let i = 0; i < batch.length; i++) {
-        const p = batch[i] as Pending;
-        if (i < posted) {
-          s.inflight.set(p.wrId, p);
-          this.#byWr.set(p.wrId, p);
-          p.reg.posted++;
-          p.op.posted++;
-        } else {
-          p.op.error ??= failure ?? new ConnectionBrokenError('work request was not posted');
-          this.#dropQueued(p.op);
-          this.#maybeSettle(p.op);
+      if (posted > 0) {
+        this.#nextWrId = base + posted;
+        this.#chains.set(base + posted - 1, { job, base, count: posted });
+        s.used += posted;
+        job.chains++;
+        job.next += posted;
+        if (!job.holding) {
+          job.holding = true;
+          for (const r of plan.regs) r.posted++;
         }
       }
-      if (failure !== undefined) {
-        if (failure.breaksConnection) void this.#shutdown(failure, failure);
+      if (thrown === undefined && errno === 0) {
+        if (job.next === plan.wrCount) {
+          s.queue.shift();
+          job.queued = false;
+        }
+        continue;
+      }
+      // The post failed. Backpressure only when nothing of this batch is on the NIC: the
+      // engine backs off and posts the batch again, on this connection.
+      const exhausted = thrown instanceof ResourceExhaustedError || (thrown === undefined && (errno === ENOMEM || errno === EAGAIN));
+      let failure: TensorwireError;
+      if (exhausted && !job.holding) failure = thrown ?? new ResourceExhaustedError(`the send queue to ${this.peer.nodeId} is full: ${text ?? `errno ${errno}`}`);
+      else if (thrown !== undefined && !exhausted) failure = thrown; // bad input: the job fails after what it posted completes
+      else {
+        // The send queue refused work it had room for by our count (or refused part of a
+        // chain): what is posted and what the QP holds no longer agree. Quiesce.
+        failure = new ConnectionBrokenError(`posting to ${this.peer.nodeId} failed: ${thrown?.message ?? text ?? `errno ${errno}`}`, thrown ? { cause: thrown } : {});
+      }
+      job.error ??= failure;
+      s.queue.shift();
+      job.queued = false;
+      this.#maybeSettle(job);
+      // A chain cut short has no signaled work request: only a flush completes it.
+      if (failure.breaksConnection || (posted > 0 && posted < n)) {
+        void this.#shutdown(failure.breaksConnection ? failure : new ConnectionBrokenError(`a chain to ${this.peer.nodeId} was posted in part`), undefined);
         return;
       }
+      // The connection stays: the jobs behind this one get their turn now.
     }
   }
 
-  #dropQueued(op: Op): void {
-    if (op.queued === 0) return;
-    for (const s of this.#streams) {
-      const keep = s.queue.filter((p) => p.op !== op);
-      op.queued -= s.queue.length - keep.length;
-      s.queue = keep;
+  /** Fail a job and take it off its stream's queue; it settles once its chains are off the NIC. */
+  #failJob(job: Job, error: TensorwireError): void {
+    job.error ??= error;
+    if (job.queued) {
+      const q = job.stream.queue;
+      q.splice(q.indexOf(job), 1);
+      job.queued = false;
     }
   }
 
@@ -651,57 +874,77 @@ export class RdmaConnection implements TransportConnection {
       if (this.outstanding === 0) this.#drained?.();
       return;
     }
-    const p = this.#byWr.get(wrId);
-    if (!p) return;
-    this.#byWr.delete(wrId);
-    const s = this.#streams[p.stream] as Stream;
-    s.inflight.delete(wrId);
-    p.reg.posted--;
-    if (p.reg.posted === 0) for (const f of p.reg.idle.splice(0)) f();
-    p.op.posted--;
-    if (status === WcStatus.Success) {
-      p.op.done++;
-    } else if (status === WcStatus.WrFlushErr) {
-      p.op.error ??= this.#closeError ?? new ConnectionBrokenError(`work request flushed: the queue pair to ${this.peer.nodeId} is in error`);
+    const c = this.#chains.get(wrId);
+    if (c === undefined) {
+      // Not the last work request of a chain: unsignaled ones complete only in error (a
+      // failure, or a flush after one). Its chain completes when its last one flushes.
+      if (status !== WcStatus.Success) {
+        for (const x of this.#chains.values()) {
+          if (wrId >= x.base && wrId < x.base + x.count) {
+            this.#chainFailed(x.job, status, vendorErr);
+            break;
+          }
+        }
+      }
+      return;
+    }
+    this.#chains.delete(wrId);
+    const job = c.job;
+    const s = job.stream;
+    // A signaled completion retires every work request of its chain: their slots are free.
+    s.used -= c.count;
+    job.chains--;
+    if (status !== WcStatus.Success) this.#chainFailed(job, status, vendorErr);
+    this.#maybeSettle(job);
+    if (this.outstanding === 0) this.#drained?.();
+    if (this.#state === 'open' || this.#state === 'retiring') this.#pump(s);
+  }
+
+  /** A work request of `job` completed in error. */
+  #chainFailed(job: Job, status: number, vendorErr: number): void {
+    if (status === WcStatus.WrFlushErr) {
+      this.#failJob(job, this.#closeError ?? new ConnectionBrokenError(`work request flushed: the queue pair to ${this.peer.nodeId} is in error`));
       // A flush we did not cause (we move QPs to ERR only in #shutdown) means the QP went to
       // ERR on its own (a fatal/async error, the responder's QP failing): every later work
       // request would flush too, so the connection is broken. Quiesce it.
       if (this.#state === 'open' || this.#state === 'retiring') {
         void this.#shutdown(new ConnectionBrokenError(`queue pair to ${this.peer.nodeId} is in error: its work requests are flushed`), undefined);
       }
-    } else {
-      const err = wcError(status, vendorErr, this.#native, this.peer.nodeId);
-      p.op.error ??= err;
-      // The other streams of the same transfer (the engine passes one signal per transfer)
-      // report the cause, not the flush it leads to.
-      for (const o of this.#ops) if (o.signal === p.op.signal) o.error ??= err;
-      // An RC QP that completed in error is in ERR: the connection is done. Quiesce it.
-      void this.#shutdown(new ConnectionBrokenError(`queue pair to ${this.peer.nodeId} failed: ${err.message}`, { cause: err }), undefined);
+      return;
     }
-    this.#maybeSettle(p.op);
-    if (this.outstanding === 0) this.#drained?.();
-    if (this.#state === 'open' || this.#state === 'retiring') this.#pump(s);
+    const err = wcError(status, vendorErr, this.#native, this.peer.nodeId);
+    this.#failJob(job, err);
+    // The other streams of the same transfer report the cause, not the flush it leads to.
+    for (const o of this.#ops) if (o.group === job.group) o.error ??= err;
+    // An RC QP that completed in error is in ERR: the connection is done. Quiesce it.
+    void this.#shutdown(new ConnectionBrokenError(`queue pair to ${this.peer.nodeId} failed: ${err.message}`, { cause: err }), undefined);
   }
 
-  #maybeSettle(op: Op): void {
-    if (op.settled || op.posted > 0 || op.queued > 0) return;
-    if (op.error === undefined && op.done < op.total) return;
-    op.settled = true;
-    op.cleanup();
-    this.#ops.delete(op);
-    if (op.error !== undefined) op.reject(op.error);
-    else op.resolve();
+  #maybeSettle(job: Job): void {
+    if (job.settled || job.chains > 0 || job.queued) return;
+    if (job.error === undefined && job.next < job.plan.wrCount) return;
+    job.settled = true;
+    job.cleanup();
+    this.#ops.delete(job);
+    if (job.holding) {
+      job.holding = false;
+      for (const r of job.plan.regs) {
+        r.posted--;
+        if (r.posted === 0) for (const f of r.idle.splice(0)) f();
+      }
+    }
+    if (job.error !== undefined) job.reject(job.error);
+    else job.resolve();
     if (this.#ops.size === 0) this.#idle?.();
   }
 
   #idle: (() => void) | undefined;
 
-  #abortOp(op: Op, error: TensorwireError): void {
-    if (op.settled) return;
-    op.error ??= error;
-    this.#dropQueued(op);
-    if (op.posted === 0) {
-      this.#maybeSettle(op);
+  #abortJob(job: Job, error: TensorwireError): void {
+    if (job.settled) return;
+    this.#failJob(job, error);
+    if (job.chains === 0) {
+      this.#maybeSettle(job);
       return;
     }
     // Work is on the NIC and an RC work request cannot be recalled: quiesce the connection.
@@ -736,7 +979,7 @@ export class RdmaConnection implements TransportConnection {
         this.#peerDrained?.();
         return;
       }
-      void this.#shutdown(this.#byWr.size === 0 && this.#ops.size === 0 ? undefined : new ConnectionBrokenError(`peer ${this.peer.nodeId} closed the connection`), undefined);
+      void this.#shutdown(this.#chains.size === 0 && this.#ops.size === 0 ? undefined : new ConnectionBrokenError(`peer ${this.peer.nodeId} closed the connection`), undefined);
     } else {
       void this.#shutdown(new ConnectionBrokenError(`unexpected ${m.type} message from ${this.peer.nodeId}`), undefined);
     }
@@ -914,17 +1157,20 @@ export class RdmaConnection implements TransportConnection {
     this.#peerDrained?.();
     const failWith = opError ?? reported ?? new ClosedError(`rdma connection to ${this.peer.nodeId} closed`);
     this.#closing = (async () => {
-      for (const op of [...this.#ops]) {
-        if (op.error === undefined) {
-          op.error = op.signal.aborted
-            ? errorFromSignal(op.signal, 'rdma transfer')
-            : op.posted === 0
+      for (const job of [...this.#ops]) {
+        this.#failJob(
+          job,
+          job.signal.aborted
+            ? errorFromSignal(job.signal, 'rdma transfer')
+            : !job.holding
               ? new SessionInvalidatedError(`rdma connection to ${this.peer.nodeId} closed before the transfer started: ${failWith.message}`, { cause: failWith })
-              : failWith;
-        }
-        this.#dropQueued(op);
+              : failWith,
+        );
       }
-      for (const s of this.#streams) s.queue = [];
+      for (const s of this.#streams) {
+        for (const job of s.queue) job.queued = false;
+        s.queue = [];
+      }
       this.#keys.failAll(failWith);
       // Bindings this connection had are gone with it; their windows are deallocated below.
       this.#owner.windowLedger?.dropConnection(this);
@@ -965,19 +1211,18 @@ export class RdmaConnection implements TransportConnection {
       for (const w of this.#binds.values()) w.reject(closed);
       this.#binds.clear();
       this.#deallocWindows([...this.#windowIds.keys()]);
-      for (const p of this.#byWr.values()) {
-        p.reg.posted--;
-        if (p.reg.posted === 0) for (const f of p.reg.idle.splice(0)) f();
-        p.op.posted--;
-        p.op.error ??= failWith;
+      // The QPs are gone: so are their chains (flushed or not).
+      for (const c of this.#chains.values()) {
+        c.job.chains--;
+        c.job.error ??= failWith;
       }
-      this.#byWr.clear();
-      for (const s of this.#streams) s.inflight.clear();
+      this.#chains.clear();
+      for (const s of this.#streams) s.used = 0;
       this.#owner.releaseCq(this.#cqId, this);
       this.#control.send({ type: 'close' });
       this.#control.socket.end();
       setTimeout(() => this.#control.socket.destroy(), 1_000).unref();
-      for (const op of [...this.#ops]) this.#maybeSettle(op);
+      for (const job of [...this.#ops]) this.#maybeSettle(job);
       this.#state = 'closed';
       this.#owner.forget(this);
       for (const l of this.#closeListeners.splice(0)) {
@@ -1021,6 +1266,10 @@ export class RdmaTransport implements Transport {
   #server: Server | undefined;
   #endpoint: Uint8Array | undefined;
   #maxSendWr = 128;
+  /** SGEs per work request (READ, WRITE), decided at start. */
+  #sge = { read: 1, write: 1 };
+  /** Plans of the batches this transport has seen (a batch is immutable; see Plan). */
+  readonly #plans = new WeakMap<TransferBatch, Plan>();
   #grantMode: 'memory-window' | 'memory-region' | undefined;
   #ledger: WindowLedger<RdmaConnection, RdmaRegistration> | undefined;
   readonly #registrations = new Set<RdmaRegistration>();
@@ -1125,6 +1374,9 @@ export class RdmaTransport implements Transport {
     }
     // BIND_SLOTS more are asked for at QP creation, for window binds.
     this.#maxSendWr = Math.max(1, Math.min(this.#options.maxSendWr ?? 128, (record.maxQpWr || 128 + BIND_SLOTS) - BIND_SLOTS));
+    const sgeCap = this.#options.maxSge ?? MAX_SGE;
+    if (!Number.isInteger(sgeCap) || sgeCap < 1) throw new InvalidInputError('maxSge must be a positive integer', { details: { field: 'maxSge' } });
+    this.#sge = chooseSgeLimits(record.maxSge, record.maxSgeRd, Math.min(sgeCap, MAX_SGE));
     this.#local = { port: port.port, linkLayer: port.linkLayer, lid: port.lid, gid: sel.gid, gidIndex: sel.gidIndex, activeMtu: port.activeMtu };
     const server = createServer((socket) => this.#accept(socket));
     this.#server = server;
@@ -1286,6 +1538,21 @@ export class RdmaTransport implements Transport {
     reg.release?.();
   }
 
+  /** @internal A batch's plan: validated and laid out once, then shared by every post of it. */
+  plan(batch: TransferBatch): Plan {
+    let p = this.#plans.get(batch);
+    if (p === undefined) {
+      p = buildPlan(batch, this, this.#sge, this.capabilities.maxChunkBytes);
+      this.#plans.set(batch, p);
+    }
+    return p;
+  }
+
+  /** SGEs per work request this transport uses, READ and WRITE (after start). */
+  get sgeLimits(): { readonly read: number; readonly write: number } {
+    return this.#sge;
+  }
+
   decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
     if (!this.capabilities.memoryKinds.includes(memoryKind) && memoryKind !== 'cuda' && memoryKind !== 'host') {
       throw new InvalidInputError(`memory kind ${String(memoryKind)} is not supported`, { details: { field: 'memoryKind' } });
@@ -1316,7 +1583,7 @@ export class RdmaTransport implements Transport {
     try {
       cqId = device.createCq(count * (this.#maxSendWr + BIND_SLOTS) + 16);
       for (let i = 0; i < count; i++) {
-        const qp = device.createQp(cqId, this.#maxSendWr + BIND_SLOTS);
+        const qp = device.createQp(cqId, this.#maxSendWr + BIND_SLOTS, this.#sge.write);
         // Data work requests get what the QP holds less the bind slots.
         const room = Math.max(1, Math.min(qp.maxSendWr - BIND_SLOTS, this.#maxSendWr));
         qps.push({ id: qp.id, qpn: qp.qpn, maxSendWr: room, psn: randomInt(0, 0x1000000) });

@@ -4,6 +4,7 @@ import {
   addressVector,
   chooseMtu,
   chooseRdAtomic,
+  chooseSgeLimits,
   grantMode,
   isIpv4MappedGid,
   isLinkLocalGid,
@@ -38,6 +39,12 @@ describe('discovery records from recorded ports', () => {
     expect(rocePort.gids[3]?.netdev).toBe('ens1f0np0');
     expect(ibPort.gids[0]?.type).toBe('IB/RoCE v1');
     expect(roceDev.memoryWindowType2).toBe(true);
+  });
+  it('records max_sge (30 on both ConnectX ports) and an unreported max_sge_rd as 0', () => {
+    expect([roceDev.maxSge, ibDev.maxSge]).toEqual([30, 30]);
+    expect([roceDev.maxSgeRd, ibDev.maxSgeRd]).toEqual([0, 0]);
+    expect(toDeviceRecord({ name: 'x', maxSge: 16, maxSgeRd: 8 }, root)).toMatchObject({ maxSge: 16, maxSgeRd: 8 });
+    expect(toDeviceRecord({ name: 'x' }, root)).toMatchObject({ maxSge: 1, maxSgeRd: 0 });
   });
   it('reports no NUMA node when sysfs has none or says -1', () => {
     expect(readNumaNode('mlx5_9', root)).toBeUndefined();
@@ -129,6 +136,17 @@ describe('MTU, READ depth, QP count', () => {
     expect(qpCountProblem(2, 4, 16)).toMatch(/peer uses 4 queue pairs.*this node uses 2/);
     expect(qpCountProblem(2, 0, 16)).toMatch(/1\.\.16/);
     expect(qpCountProblem(2, 17, 16)).toMatch(/1\.\.16/);
+  });
+});
+
+describe('SGEs per work request', () => {
+  it('is the device max_sge under the cap; READ also under max_sge_rd when reported, never above the QP limit', () => {
+    expect(chooseSgeLimits(roceDev.maxSge, roceDev.maxSgeRd, 64)).toEqual({ write: 30, read: 30 });
+    expect(chooseSgeLimits(30, 0, 8)).toEqual({ write: 8, read: 8 });
+    expect(chooseSgeLimits(30, 4, 64)).toEqual({ write: 30, read: 4 });
+    expect(chooseSgeLimits(4, 30, 64)).toEqual({ write: 4, read: 4 });
+    expect(chooseSgeLimits(0, 0, 64)).toEqual({ write: 1, read: 1 });
+    expect(chooseSgeLimits(Number.NaN, -1, 0)).toEqual({ write: 1, read: 1 });
   });
 });
 

@@ -57,9 +57,9 @@ describe('transport without a started device', () => {
     expect(() => new RdmaTransport({ queuePairsPerPeer: 17 })).toThrow(InvalidInputError);
   });
 
-  it('declares itself: v1, rdma, rank 100, remote and local, host memory, QPs = streams', () => {
+  it('declares itself: v2, rdma, rank 100, remote and local, host memory, QPs = streams', () => {
     const t = new RdmaTransport({ queuePairsPerPeer: 4 });
-    expect(t.specificationVersion).toBe('v1');
+    expect(t.specificationVersion).toBe('v2');
     expect(t.name).toBe('rdma');
     expect(t.capabilities).toMatchObject({ rank: 100, remote: true, local: true, oneSidedRead: true, oneSidedWrite: true, maxStreams: 4 });
     expect(t.capabilities.memoryKinds).toContain('host');

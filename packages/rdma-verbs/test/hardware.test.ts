@@ -10,7 +10,8 @@ import {
   InvalidInputError,
   RemoteRejectedError,
   TimedOutError,
-  type TransferChunk,
+  createTransferBatch,
+  type TransferRangeInit,
   type TransportConnection,
 } from '@tensorwire/core';
 import { describe, expect, it } from 'vitest';
@@ -53,11 +54,11 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
     const remote = a.t.decodeRemote(rr.payload, 'host', size);
     const half = size / 2;
     await Promise.all(
-      [0, 1].map((s) => conn.execute(s, [{ op: 'read', local: lr.handle, localOffset: s * half, remote, remoteOffset: s * half, length: half }], opts())),
+      [0, 1].map((s) => conn.execute(s, createTransferBatch('read', [{ local: lr.handle, localOffset: s * half, remote, remoteOffset: s * half, length: half }]), opts())),
     );
     expect(Buffer.compare(Buffer.from(dst), Buffer.from(src))).toBe(0);
     dst.fill(0x5a);
-    await conn.execute(1, [{ op: 'write', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: size }], opts());
+    await conn.execute(1, createTransferBatch('write', [{ local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: size }]), opts());
     expect(src.every((x) => x === 0x5a)).toBe(true);
     expect(b.inbound).toHaveLength(1);
     expect(conn.streams).toBe(2);
@@ -73,12 +74,14 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
     const rr = await b.t.register({ kind: 'host', buffer: src });
     const lr = await a.t.register({ kind: 'host', buffer: dst });
     const remote = a.t.decodeRemote(rr.payload, 'host', size);
-    const chunks: TransferChunk[] = [];
-    for (let off = 0; off < size; off += 1 << 20) chunks.push({ op: 'read', local: lr.handle, localOffset: off, remote, remoteOffset: off, length: 1 << 20 });
+    // 64 ranges of 1 MiB, in reverse order so that none is back to back with the one before
+    // it on the remote side: 64 work requests, several chains.
+    const ranges: TransferRangeInit[] = [];
+    for (let off = size - (1 << 20); off >= 0; off -= 1 << 20) ranges.push({ local: lr.handle, localOffset: off, remote, remoteOffset: off, length: 1 << 20 });
     const ac = new AbortController();
     let closedWith: unknown = 'not closed';
     conn.onClose((e) => (closedWith = e));
-    const p = conn.execute(0, chunks, { signal: ac.signal, deadline: Date.now() + 60_000 });
+    const p = conn.execute(0, createTransferBatch('read', ranges), { signal: ac.signal, deadline: Date.now() + 60_000 });
     // Work requests are on the NIC now (posted synchronously); no completion has been seen by JS yet.
     expect((conn as RdmaConnection).outstanding).toBeGreaterThan(0);
     ac.abort(new TimedOutError('deadline passed'));
@@ -107,7 +110,7 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
     const ac = new AbortController();
     ac.abort();
     const before = counters().postedWrs;
-    await expect(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }], { signal: ac.signal, deadline: Date.now() + 1000 })).rejects.toBeInstanceOf(
+    await expect(conn.execute(0, createTransferBatch('read', [{ local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }]), { signal: ac.signal, deadline: Date.now() + 1000 })).rejects.toBeInstanceOf(
       AbortedError,
     );
     expect(counters().postedWrs).toBe(before);
@@ -120,14 +123,14 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const remote = a.t.decodeRemote(rr.payload, 'host', 4096);
     const before = counters().postedWrs;
-    const chunk = { op: 'read' as const, local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 };
-    await expect(conn.execute(0, [{ ...chunk, local: {} }], opts())).rejects.toBeInstanceOf(InvalidInputError); // unregistered
-    await expect(conn.execute(0, [{ ...chunk, remote: { addr: 0n } }], opts())).rejects.toBeInstanceOf(InvalidInputError);
-    await expect(conn.execute(0, [{ ...chunk, remoteOffset: 1 }], opts())).rejects.toBeInstanceOf(InvalidInputError); // beyond registration
-    await expect(conn.execute(0, [{ ...chunk, localOffset: 4095, length: 2 }], opts())).rejects.toBeInstanceOf(InvalidInputError);
-    await expect(conn.execute(5, [chunk], opts())).rejects.toBeInstanceOf(InvalidInputError);
+    const chunk = { local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 };
+    await expect(conn.execute(0, createTransferBatch('read', [{ ...chunk, local: {} }]), opts())).rejects.toBeInstanceOf(InvalidInputError); // unregistered
+    await expect(conn.execute(0, createTransferBatch('read', [{ ...chunk, remote: { addr: 0n } }]), opts())).rejects.toBeInstanceOf(InvalidInputError);
+    await expect(conn.execute(0, createTransferBatch('read', [{ ...chunk, remoteOffset: 1 }]), opts())).rejects.toBeInstanceOf(InvalidInputError); // beyond registration
+    await expect(conn.execute(0, createTransferBatch('read', [{ ...chunk, localOffset: 4095, length: 2 }]), opts())).rejects.toBeInstanceOf(InvalidInputError);
+    await expect(conn.execute(5, createTransferBatch('read', [chunk]), opts())).rejects.toBeInstanceOf(InvalidInputError);
     await a.t.revoke(lr.handle);
-    await expect(conn.execute(0, [chunk], opts())).rejects.toBeInstanceOf(InvalidInputError); // revoked
+    await expect(conn.execute(0, createTransferBatch('read', [chunk]), opts())).rejects.toBeInstanceOf(InvalidInputError); // revoked
     expect(counters().postedWrs).toBe(before);
     expect(conn.isOpen).toBe(true);
   });
@@ -138,7 +141,7 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const remote = a.t.decodeRemote(rr.payload, 'host', 4096);
     await b.t.revoke(rr.handle);
-    await expect(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }], opts())).rejects.toBeInstanceOf(
+    await expect(conn.execute(0, createTransferBatch('read', [{ local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }]), opts())).rejects.toBeInstanceOf(
       RemoteRejectedError,
     );
   });
@@ -192,7 +195,7 @@ describe.skipIf(skipReason !== undefined)(`rdma transport on ${device ?? 'no dev
       const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(65536).fill(i) });
       const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(65536) });
       const remote = a.t.decodeRemote(rr.payload, 'host', 65536);
-      await conn.execute(i % 2, [{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 65536 }], opts());
+      await conn.execute(i % 2, createTransferBatch('read', [{ local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 65536 }]), opts());
       if (i % 3 === 0) await conn.close(new ConnectionBrokenError('churn'));
       await closeAll();
       expect(counters()).toMatchObject({ devices: base.devices, pds: base.pds, mrs: base.mrs, mws: base.mws, cqs: base.cqs, qps: base.qps, channels: base.channels, threads: base.threads });

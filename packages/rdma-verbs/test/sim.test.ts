@@ -16,7 +16,7 @@ import { beforeEach, describe, expect, it } from 'vitest';
 import { RdmaTransport, type RdmaConnection } from '../src/transport.js';
 import { decodeGrant, encodeGrant } from '../src/wire.js';
 import { SimFabric } from './sim/verbs.js';
-import { describeWindowGrants, failure, opts, testNodes, until } from './window-suite.js';
+import { batchOf, describeWindowGrants, failure, opts, testNodes, until } from './window-suite.js';
 
 for (const windows of [true, false]) {
   const conformanceFabric = new SimFabric();
@@ -49,12 +49,14 @@ describe('memory-window grants over simulated verbs', () => {
     const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(size) });
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(size) });
     const remote = a.t.decodeRemote(rr.payload, 'host', size);
-    await conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }], opts()); // keys cached
-    // Two reads execute on the "NIC" but their completions wait; fourteen wait for credits.
+    await conn.execute(0, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }]), opts()); // keys cached
+    // Two reads execute on the "NIC" but their completions wait; fourteen wait for slots. (In
+    // reverse order, no range is back to back on the remote side with the one before it: sixteen
+    // work requests, one per chain with a send queue of two.)
     fabric.completionGate.close();
     const posted = fabric.counters.postedWrs;
-    const chunks = Array.from({ length: 16 }, (_, i) => ({ op: 'read' as const, local: lr.handle, localOffset: i * 4096, remote, remoteOffset: i * 4096, length: 4096 }));
-    const p = failure(conn.execute(0, chunks, opts()));
+    const chunks = Array.from({ length: 16 }, (_, i) => ({ op: 'read' as const, local: lr.handle, localOffset: (15 - i) * 4096, remote, remoteOffset: (15 - i) * 4096, length: 4096 }));
+    const p = failure(conn.execute(0, batchOf(chunks), opts()));
     expect(fabric.counters.postedWrs).toBe(posted + 2);
     const executed = fabric.executed;
     await until(() => fabric.executed === executed + 2); // both read their bytes through the windows
@@ -73,16 +75,16 @@ describe('memory-window grants over simulated verbs', () => {
     const { a, b, conn } = await pair(1);
     const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
-    await conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
+    await conn.execute(0, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }]), opts());
     // The holder has its own READ on the same connection, whose completion is held: closing
     // the connection must wait for its flush before the windows go.
     const served = b.inbound[0] as RdmaConnection;
     const mine = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const back = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const backRead = { op: 'read' as const, local: mine.handle, localOffset: 0, remote: b.t.decodeRemote(back.payload, 'host', 4096), remoteOffset: 0, length: 4096 };
-    await served.execute(0, [backRead], opts()); // B's keys for A's memory are cached
+    await served.execute(0, batchOf([backRead]), opts()); // B's keys for A's memory are cached
     fabric.completionGate.close();
-    const holderRead = failure(served.execute(0, [backRead], opts()));
+    const holderRead = failure(served.execute(0, batchOf([backRead]), opts()));
     expect(served.outstanding).toBe(1);
     const closing = served.close(new ConnectionBrokenError('holder closes'));
     const mrs = fabric.counters.mrs;
@@ -110,7 +112,7 @@ describe('memory-window grants over simulated verbs', () => {
     const dst = new Uint8Array(n * 1024);
     const lr = await a.t.register({ kind: 'host', buffer: dst });
     const chunks = regs.map((r, i) => ({ op: 'read' as const, local: lr.handle, localOffset: i * 1024, remote: a.t.decodeRemote(r.payload, 'host', 1024), remoteOffset: 0, length: 1024 }));
-    await conn.execute(0, chunks, opts());
+    await conn.execute(0, batchOf(chunks), opts());
     for (let i = 0; i < n; i++) expect(dst[i * 1024]).toBe(i);
     expect(conn.cachedGrants).toBe(n);
     expect(b.inbound[0]?.windows).toBe(2 * n);
@@ -124,7 +126,7 @@ describe('memory-window grants over simulated verbs', () => {
     const mrs = fabric.counters.mrs;
     const mws = fabric.counters.mws;
     fabric.bindGate.close();
-    const p = failure(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts()));
+    const p = failure(conn.execute(0, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }]), opts()));
     await until(() => fabric.binds === 2);
     let revoked = false;
     const revoking = b.t.revoke(rr.handle).then(() => (revoked = true));
@@ -145,7 +147,7 @@ describe('memory-window grants over simulated verbs', () => {
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const base = { ...fabric.counters };
     fabric.bindGate.close();
-    const p = failure(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts()));
+    const p = failure(conn.execute(0, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }]), opts()));
     await until(() => fabric.binds === 2);
     const served = b.inbound[0] as RdmaConnection;
     await served.close(new ConnectionBrokenError('holder gave up'));
@@ -156,7 +158,7 @@ describe('memory-window grants over simulated verbs', () => {
     expect(fabric.counters.mws).toBe(base.mws);
     // The grant survives its requester's connection: a new connection binds afresh.
     const again = (await a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 2 })) as RdmaConnection;
-    await again.execute(1, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
+    await again.execute(1, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 }]), opts());
     await b.t.revoke(rr.handle);
     expect(fabric.counters.mws).toBe(base.mws);
   });
@@ -170,14 +172,14 @@ describe('memory-window grants over simulated verbs', () => {
     fabric.bindGate.close();
     const posted = fabric.counters.postedWrs;
     const ac = new AbortController();
-    const p = failure(conn.execute(0, [chunk], { signal: ac.signal, deadline: Date.now() + 60_000 }));
+    const p = failure(conn.execute(0, batchOf([chunk]), { signal: ac.signal, deadline: Date.now() + 60_000 }));
     await until(() => fabric.binds === 1);
     ac.abort();
     expect(await p).toBeInstanceOf(Error);
     expect(fabric.counters.postedWrs).toBe(posted + 1); // the bind only
     fabric.bindGate.open();
     await until(() => conn.cachedGrants === 1);
-    await conn.execute(0, [chunk], opts());
+    await conn.execute(0, batchOf([chunk]), opts());
     expect(dst.every((x) => x === 5)).toBe(true);
   });
 
@@ -188,7 +190,7 @@ describe('memory-window grants over simulated verbs', () => {
     if (g.grant !== 'window') throw new Error('expected a window grant');
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const guessed = a.t.decodeRemote(encodeGrant({ ...g, token: new Uint8Array(16).fill(0xaa) }), 'host', 4096);
-    const err = await failure(conn.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: guessed, remoteOffset: 0, length: 4096 }], opts()));
+    const err = await failure(conn.execute(0, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: guessed, remoteOffset: 0, length: 4096 }]), opts()));
     expect(err).toBeInstanceOf(RemoteRejectedError);
     expect(conn.isOpen).toBe(true);
     expect(b.t.windowLedger?.bindingCount(b.inbound[0] as RdmaConnection)).toBe(0);
@@ -231,11 +233,11 @@ describe('memory-region grants over simulated verbs', () => {
     const dst = new Uint8Array(4096);
     const lr = await a.t.register({ kind: 'host', buffer: dst });
     const chunk = { op: 'read' as const, local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 4096), remoteOffset: 0, length: 4096 };
-    await conn.execute(0, [chunk], opts());
+    await conn.execute(0, batchOf([chunk]), opts());
     expect(dst.every((x) => x === 3)).toBe(true);
     expect(fabric.binds).toBe(0);
     await b.t.revoke(rr.handle);
-    expect(await failure(conn.execute(0, [chunk], opts()))).toBeInstanceOf(RemoteRejectedError);
+    expect(await failure(conn.execute(0, batchOf([chunk]), opts()))).toBeInstanceOf(RemoteRejectedError);
   });
 
   it('grants: memory-window on a device without type-2 windows refuses to start, saying why', async () => {

@@ -3,7 +3,17 @@
  * hardware.test.ts (where one with type-2 windows exists) and on simulated verbs by
  * sim.test.ts. Each run says which it is; only the hardware run is evidence about a NIC.
  */
-import { ConnectionBrokenError, RemoteRejectedError, ResourceExhaustedError, silentLogger, type NodeIdentity, type TransportHost } from '@tensorwire/core';
+import {
+  ConnectionBrokenError,
+  RemoteRejectedError,
+  ResourceExhaustedError,
+  createTransferBatch,
+  silentLogger,
+  type NodeIdentity,
+  type TransferBatch,
+  type TransferRangeInit,
+  type TransportHost,
+} from '@tensorwire/core';
 import { afterEach, describe, expect, it } from 'vitest';
 import type { RdmaConnection, RdmaTransport, RdmaTransportOptions } from '../src/transport.js';
 import { tokenHex } from '../src/windows.js';
@@ -30,6 +40,13 @@ export interface TestNode {
   readonly t: RdmaTransport;
   readonly host: TransportHost;
   readonly inbound: RdmaConnection[];
+}
+
+/** A batch (createTransferBatch) from range objects that each name their op; all must agree. */
+export function batchOf(list: readonly (TransferRangeInit & { readonly op: 'read' | 'write' })[]): TransferBatch {
+  const op = list[0]?.op ?? 'read';
+  if (list.some((r) => r.op !== op)) throw new Error('one batch has one op');
+  return createTransferBatch(op, list);
 }
 
 export function opts(ms = 10_000): { signal: AbortSignal; deadline: number } {
@@ -95,13 +112,13 @@ export function describeWindowGrants(o: WindowSuiteOptions): void {
       const remote = a.t.decodeRemote(rr.payload, 'host', size);
       const part = size / 8;
       await Promise.all(
-        Array.from({ length: 8 }, (_, i) => conn.execute(i % 2, [{ op: 'read', local: lr.handle, localOffset: i * part, remote, remoteOffset: i * part, length: part }], opts())),
+        Array.from({ length: 8 }, (_, i) => conn.execute(i % 2, batchOf([{ op: 'read', local: lr.handle, localOffset: i * part, remote, remoteOffset: i * part, length: part }]), opts())),
       );
       expect(Buffer.compare(Buffer.from(dst), Buffer.from(src))).toBe(0);
       expect(b.inbound[0]?.windows).toBe(2);
       expect(conn.cachedGrants).toBe(1);
       dst.fill(0x42);
-      await conn.execute(1, [{ op: 'write', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: size }], opts());
+      await conn.execute(1, batchOf([{ op: 'write', local: lr.handle, localOffset: 0, remote, remoteOffset: 0, length: size }]), opts());
       expect(src.every((x) => x === 0x42)).toBe(true);
       expect(b.inbound[0]?.windows).toBe(2);
     });
@@ -114,17 +131,17 @@ export function describeWindowGrants(o: WindowSuiteOptions): void {
       if (g.grant !== 'window') throw new Error('expected a window grant');
       const la = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
       const read = { op: 'read' as const, local: la.handle, localOffset: 0, remoteOffset: 0, length: 4096 };
-      await conn.execute(0, [{ ...read, remote: a.t.decodeRemote(rr.payload, 'host', 4096) }], opts());
+      await conn.execute(0, batchOf([{ ...read, remote: a.t.decodeRemote(rr.payload, 'host', 4096) }]), opts());
       const existing = b.t.windowLedger?.request(b.inbound[0] as RdmaConnection, tokenHex(g.token));
       if (existing?.kind !== 'existing' || existing.binding.rkeys === undefined) throw new Error('expected the binding made for A');
       const lc = await c.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
       for (const rkey of [(rr.handle as { rkey: number }).rkey, existing.binding.rkeys[0] as number]) {
         const cconn = await c.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 });
         const forged = c.t.decodeRemote(encodeGrant({ grant: 'mr', addr: g.addr, length: g.length, rkey }), 'host', 4096);
-        expect(await failure(cconn.execute(0, [{ ...read, local: lc.handle, remote: forged }], opts()))).toBeInstanceOf(RemoteRejectedError);
+        expect(await failure(cconn.execute(0, batchOf([{ ...read, local: lc.handle, remote: forged }]), opts()))).toBeInstanceOf(RemoteRejectedError);
         expect(cconn.isOpen).toBe(false); // an access violation breaks an RC connection
       }
-      await conn.execute(0, [{ ...read, remote: a.t.decodeRemote(rr.payload, 'host', 4096) }], opts()); // A's windows still work
+      await conn.execute(0, batchOf([{ ...read, remote: a.t.decodeRemote(rr.payload, 'host', 4096) }]), opts()); // A's windows still work
     });
 
     it('revoke deallocates the windows and sends UNBIND; later transfers are refused without posting, and the connection stays', async () => {
@@ -132,14 +149,14 @@ export function describeWindowGrants(o: WindowSuiteOptions): void {
       const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(8192).fill(1) });
       const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(8192) });
       const chunk = { op: 'read' as const, local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 8192), remoteOffset: 0, length: 8192 };
-      await conn.execute(0, [chunk], opts());
+      await conn.execute(0, batchOf([chunk]), opts());
       const mws = o.counters().mws;
       await b.t.revoke(rr.handle);
       expect(o.counters().mws).toBe(mws - 2);
       expect(b.inbound[0]?.windows).toBe(0);
       await until(() => conn.cachedGrants === 0); // UNBIND arrived
       const posted = o.counters().postedWrs;
-      const err = await failure(conn.execute(1, [chunk], opts()));
+      const err = await failure(conn.execute(1, batchOf([chunk]), opts()));
       expect(err).toBeInstanceOf(RemoteRejectedError);
       expect((err as RemoteRejectedError).remoteCode).toBe('unknown-grant');
       expect(o.counters().postedWrs).toBe(posted);
@@ -152,7 +169,7 @@ export function describeWindowGrants(o: WindowSuiteOptions): void {
       const r2 = await b.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
       const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
       const read = (c: RdmaConnection, payload: Uint8Array): Promise<void> =>
-        c.execute(0, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(payload, 'host', 4096), remoteOffset: 0, length: 4096 }], opts());
+        c.execute(0, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(payload, 'host', 4096), remoteOffset: 0, length: 4096 }]), opts());
       await read(conn, r1.payload);
       expect(await failure(read(conn, r2.payload))).toBeInstanceOf(ResourceExhaustedError);
       const second = (await a.t.connect(b.host.identity, b.t.endpoint(), { ...opts(), streams: 1 })) as RdmaConnection;
@@ -168,7 +185,7 @@ export function describeWindowGrants(o: WindowSuiteOptions): void {
         const { a, b, conn } = await pair(2);
         const rr = await b.t.register({ kind: 'host', buffer: new Uint8Array(65536).fill(i) });
         const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(65536) });
-        await conn.execute(i % 2, [{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 65536), remoteOffset: 0, length: 65536 }], opts());
+        await conn.execute(i % 2, batchOf([{ op: 'read', local: lr.handle, localOffset: 0, remote: a.t.decodeRemote(rr.payload, 'host', 65536), remoteOffset: 0, length: 65536 }]), opts());
         if (i % 2 === 0) await b.t.revoke(rr.handle);
         if (i % 3 === 0) await conn.close(new ConnectionBrokenError('churn'));
         await closeAll();

@@ -238,7 +238,7 @@ export function describeTransportConformance(options: ConformanceOptions): void 
         const len = cap + 17;
         const remote = await registered(b, 4 * len + 64, 23);
         const local = await registered(a, 4 * len + 64);
-        const requests = [3, 1, 2, 0].map((slot, i) => ({ local: local.reg, localOffset: 5 + i * len, remote: remote.reg.descriptor, remoteOffset: 11 + slot * len, length: len }));
+        const requests = [3, 0, 2, 1].map((slot, i) => ({ local: local.reg, localOffset: 5 + i * len, remote: remote.reg.descriptor, remoteOffset: 11 + slot * len, length: len }));
         const report = await a.read(b.endpoint(), requests);
         expect(report.chunks).toBeGreaterThanOrEqual(8);
         for (const r of requests) expect(equal(await local.buf.read(r.localOffset, len), await remote.buf.read(r.remoteOffset, len))).toBe(true);

@@ -5,18 +5,41 @@
  * revocation) runs here over real control sockets.
  *
  * It models what the transport relies on, after the verbs semantics: work requests on a QP
- * execute in order; a failed request moves the QP to ERR and every later one completes with a
- * flush error; moving a QP to ERR flushes what has not executed; destroying a QP drops its
+ * execute in order; a READ/WRITE scatters/gathers its SGE list (at most the QP's
+ * max_send_sge, itself at most the device's max_sge) against one contiguous remote range; only
+ * signaled requests complete when they succeed, while a failed request completes in error
+ * whether signaled or not, moves the QP to ERR, and every later one completes with a flush error
+ * (signaled or not); moving a QP to ERR flushes what has not executed; send-queue slots are
+ * freed only when a completion is polled, and that retires every earlier request on the QP too
+ * (unsignaled ones hold their slots until then; a post past max_send_wr fails with ENOMEM at
+ * the first request that does not fit, the ones before it posted); destroying a QP drops its
  * pending completions; an rkey is checked at the responder (an MR's on any QP, a type-2
  * window's only on the QP it was bound to); an MR with windows bound to it cannot be
- * deregistered. It proves nothing about libibverbs or a NIC: the hardware suites do that.
+ * deregistered; a request whose local MR was deregistered fails with a protection error. It
+ * proves nothing about libibverbs or a NIC: the hardware suites do that.
  */
-import type { CompletionListener, NativeAddon, NativeCounters, NativeDevice, NativeDeviceInfo, NativeMr, NativeMw, NativeProbe, NativeQp } from '../../src/native.js';
+import {
+  SGE_STRIDE,
+  SgeField,
+  WR_STRIDE,
+  WrField,
+  type CompletionListener,
+  type NativeAddon,
+  type NativeCounters,
+  type NativeDevice,
+  type NativeDeviceInfo,
+  type NativeMr,
+  type NativeMw,
+  type NativeProbe,
+  type NativeQp,
+  type PostResult,
+} from '../../src/native.js';
 import type { RdmaBackend } from '../../src/transport.js';
 import { grantMode } from '../../src/attributes.js';
 
 const ACCESS = { LocalWrite: 1, RemoteWrite: 2, RemoteRead: 4, MwBind: 16 };
-const WC = { Success: 0, LocProtErr: 4, WrFlushErr: 5, RemAccessErr: 10, RetryExcErr: 12 };
+/** ibv_wc_status values the simulator produces (and tests may inject). */
+export const WC = { Success: 0, LocLenErr: 1, LocProtErr: 4, WrFlushErr: 5, RemAccessErr: 10, RemOpErr: 11, RetryExcErr: 12 } as const;
 const OPCODE = { RdmaWrite: 1, RdmaRead: 2, BindMw: 5 };
 
 function fail(code: string, message: string): never {
@@ -38,9 +61,37 @@ interface SimMw {
   bound: { readonly mr: SimMr; readonly addr: bigint; readonly length: number; readonly access: number; readonly qpn: number } | undefined;
 }
 
+interface SimSge {
+  readonly mr: SimMr;
+  readonly off: number;
+  readonly len: number;
+}
+
 type Work =
-  | { readonly kind: 'rdma'; readonly op: 0 | 1; readonly wrId: number; readonly mr: SimMr; readonly off: number; readonly raddr: bigint; readonly rkey: number; readonly len: number }
-  | { readonly kind: 'bind'; readonly wrId: number; readonly mw: SimMw; readonly mr: SimMr; readonly off: number; readonly len: number; readonly access: number; readonly rkey: number };
+  | {
+      readonly kind: 'rdma';
+      /** Position in the QP's send queue (post order). */
+      readonly seq: number;
+      readonly signaled: boolean;
+      readonly op: 0 | 1;
+      readonly wrId: number;
+      readonly sges: readonly SimSge[];
+      readonly raddr: bigint;
+      readonly rkey: number;
+      readonly len: number;
+    }
+  | {
+      readonly kind: 'bind';
+      readonly seq: number;
+      readonly signaled: true;
+      readonly wrId: number;
+      readonly mw: SimMw;
+      readonly mr: SimMr;
+      readonly off: number;
+      readonly len: number;
+      readonly access: number;
+      readonly rkey: number;
+    };
 
 interface SimQp {
   readonly id: number;
@@ -48,11 +99,38 @@ interface SimQp {
   readonly dev: SimDevice;
   readonly cqId: number;
   readonly maxSendWr: number;
+  readonly maxSendSge: number;
   state: 'RESET' | 'INIT' | 'RTR' | 'RTS' | 'ERR';
   destQpn: number;
   access: number;
   readonly work: Work[];
   running: boolean;
+  /** Work requests posted so far; `posted - retired` hold send-queue slots. */
+  posted: number;
+  /** Every request before this sequence number has been retired by a polled completion. */
+  retired: number;
+}
+
+/** One successful post() call, as recorded while `SimFabric.recordPosts` is set. */
+export interface PostRecord {
+  readonly qpn: number;
+  /** SGE count of each work request of the chain. */
+  readonly sges: readonly number[];
+  /** Bytes of each work request. */
+  readonly bytes: readonly number[];
+  /** Send-queue slots held on the QP right after the post. */
+  readonly slotsHeld: number;
+}
+
+export interface SimFabricOptions {
+  /** ibv_device_attr.max_sge. Default 30 (ConnectX). */
+  readonly maxSge?: number;
+  /** ibv_device_attr.max_sge_rd. Default 0 (not reported: max_sge applies). */
+  readonly maxSgeRd?: number;
+  /** ibv_device_attr.max_qp_wr. Default 256. */
+  readonly maxQpWr?: number;
+  /** Address of the first registration (each next one follows, page aligned). Default 0x7f0000000000. */
+  readonly firstAddress?: bigint;
 }
 
 /** A test knob: while closed, what passes it is held, and runs in order when it opens. */
@@ -78,6 +156,7 @@ export class Gate {
 /** The shared "subnet": QPs by number, address and key spaces, counters, and test knobs. */
 export class SimFabric {
   readonly qps = new Map<number, SimQp>();
+  readonly limits: { readonly maxSge: number; readonly maxSgeRd: number; readonly maxQpWr: number };
   readonly counters = { devices: 0, pds: 0, mrs: 0, mws: 0, cqs: 0, qps: 0, channels: 0, threads: 0, postedWrs: 0, completions: 0 };
   /** Closed: window binds wait (to test revoke or close while a bind is on the "NIC"). */
   readonly bindGate = new Gate();
@@ -90,6 +169,57 @@ export class SimFabric {
   binds = 0;
   /** READs and WRITEs executed so far (successful or not). */
   executed = 0;
+  /** post() calls that posted at least one work request (chains). */
+  posts = 0;
+  /** post() calls refused in whole or part with ENOMEM because the send queue was full (not injected ones). */
+  postsRefused = 0;
+  /** Most send-queue slots any QP held at once (data and binds). */
+  peakSlotsHeld = 0;
+  /** Set to record every post() in `postLog`. */
+  recordPosts = false;
+  readonly postLog: PostRecord[] = [];
+  /** Fault injection: the RDMA request executed when `executed` reaches `at` fails with `status`. */
+  #fault: { at: number; status: number } | undefined;
+  /** Fault injection: post() calls to let through before one is refused with `errno`. */
+  #postFault: { skip: number; errno: number } | undefined;
+
+  constructor(options: SimFabricOptions = {}) {
+    this.limits = { maxSge: options.maxSge ?? 30, maxSgeRd: options.maxSgeRd ?? 0, maxQpWr: options.maxQpWr ?? 256 };
+    if (options.firstAddress !== undefined) this.nextAddr = options.firstAddress;
+  }
+
+  /** Make the `n`th READ/WRITE executed from now on (0: the next one) fail with `status`. */
+  failExecution(n: number, status: number = WC.RemOpErr): void {
+    this.#fault = { at: this.executed + n, status };
+  }
+
+  /**
+   * Make the `n`th post() from now on (0: the next one) post nothing and return `errno`
+   * (ENOMEM 12 or EAGAIN 11: what a provider says when its send queue is full).
+   */
+  failPost(n: number, errno = 12): void {
+    this.#postFault = { skip: n, errno };
+  }
+
+  /** @internal the errno to refuse this post() with, if any. */
+  takePostFault(): number | undefined {
+    const f = this.#postFault;
+    if (f === undefined) return undefined;
+    if (f.skip > 0) {
+      f.skip--;
+      return undefined;
+    }
+    this.#postFault = undefined;
+    return f.errno;
+  }
+
+  /** @internal the injected failure for the request being executed now, if any. */
+  takeFault(): number | undefined {
+    if (this.#fault === undefined || this.#fault.at !== this.executed) return undefined;
+    const s = this.#fault.status;
+    this.#fault = undefined;
+    return s;
+  }
 
   backend(memoryWindows = true): RdmaBackend {
     return simulatedBackend(this, memoryWindows);
@@ -100,7 +230,9 @@ function simulatedBackend(fabric: SimFabric, memoryWindows: boolean): RdmaBacken
   const record = {
     name: 'sim0',
     numaNode: undefined,
-    maxQpWr: 256,
+    maxQpWr: fabric.limits.maxQpWr,
+    maxSge: fabric.limits.maxSge,
+    maxSgeRd: fabric.limits.maxSgeRd,
     maxQpRdAtom: 16,
     maxQpInitRdAtom: 16,
     memoryWindowType2: memoryWindows,
@@ -127,7 +259,16 @@ function simulatedBackend(fabric: SimFabric, memoryWindows: boolean): RdmaBacken
     probe: (): NativeProbe => ({ built: true, library: { loaded: true }, dmabuf: false, fork: { status: 'unneeded' }, deviceList: { ok: true, count: 1, names: ['sim0'] } }),
     counters: (): NativeCounters => ({ ...fabric.counters }),
     listDevices: (): NativeDeviceInfo[] => [{ name: 'sim0' }],
-    wcStatusString: (s: number) => ({ 0: 'success', 4: 'local protection error', 5: 'Work Request Flushed Error', 10: 'remote access error', 12: 'transport retry counter exceeded' })[s] ?? `status ${s}`,
+    wcStatusString: (s: number) =>
+      ({
+        0: 'success',
+        1: 'local length error',
+        4: 'local protection error',
+        5: 'Work Request Flushed Error',
+        10: 'remote access error',
+        11: 'remote operation error',
+        12: 'transport retry counter exceeded',
+      })[s] ?? `status ${s}`,
     Device,
   };
   const m = grantMode('auto', memoryWindows) as { mode: 'memory-window' | 'memory-region'; reason: string };
@@ -179,7 +320,8 @@ export class SimDevice implements NativeDevice {
   }
 
   info(): NativeDeviceInfo {
-    return { name: this.name, memoryWindowType2: true };
+    const l = this.#fabric.limits;
+    return { name: this.name, memoryWindowType2: true, maxQpWr: l.maxQpWr, maxSge: l.maxSge, maxSgeRd: l.maxSgeRd };
   }
 
   regHost(view: Uint8Array, access: number): NativeMr {
@@ -223,14 +365,31 @@ export class SimDevice implements NativeDevice {
     return true;
   }
 
-  createQp(cqId: number, maxSendWr: number): NativeQp {
+  createQp(cqId: number, maxSendWr: number, maxSendSge = 1): NativeQp {
     this.#check();
     if (!this.#cqs.has(cqId)) fail('TW_INVALID_INPUT', `unknown CQ id ${cqId}`);
-    const qp: SimQp = { id: this.#nextId++, qpn: this.#fabric.nextQpn++, dev: this, cqId, maxSendWr, state: 'RESET', destQpn: -1, access: 0, work: [], running: false };
+    const l = this.#fabric.limits;
+    // ibv_create_qp refuses capacities beyond the device's (EINVAL); the addon reports it so.
+    if (maxSendWr < 1 || maxSendWr > l.maxQpWr || maxSendSge < 1 || maxSendSge > l.maxSge) fail('TW_RESOURCE_EXHAUSTED', 'ibv_create_qp: Invalid argument (errno 22)');
+    const qp: SimQp = {
+      id: this.#nextId++,
+      qpn: this.#fabric.nextQpn++,
+      dev: this,
+      cqId,
+      maxSendWr,
+      maxSendSge,
+      state: 'RESET',
+      destQpn: -1,
+      access: 0,
+      work: [],
+      running: false,
+      posted: 0,
+      retired: 0,
+    };
     this.#qps.set(qp.id, qp);
     this.#fabric.qps.set(qp.qpn, qp);
     this.#fabric.counters.qps++;
-    return { id: qp.id, qpn: qp.qpn, maxSendWr };
+    return { id: qp.id, qpn: qp.qpn, maxSendWr, maxSendSge };
   }
 
   #qp(id: number): SimQp {
@@ -275,21 +434,73 @@ export class SimDevice implements NativeDevice {
     this.#qp(id).state = 'ERR';
   }
 
-  post(qpId: number, wrs: BigUint64Array): { posted: number; errno: number; error?: string } {
+  /** Validates like the addon, then queues the chain; see NativeDevice.post. */
+  post(qpId: number, wrs: Float64Array, sges: Float64Array, rkeys: Uint32Array, firstWr: number, count: number, wrIdBase: number): PostResult {
     const q = this.#qp(qpId);
-    if (wrs.length === 0 || wrs.length % 7 !== 0) fail('TW_INVALID_INPUT', 'wrs length must be a positive multiple of 7');
+    if (!(wrs instanceof Float64Array) || !(sges instanceof Float64Array) || !(rkeys instanceof Uint32Array)) fail('TW_INVALID_INPUT', 'post(qpId, wrs, sges, rkeys, firstWr, count, wrIdBase)');
+    const uint = (v: number, max: number): boolean => Number.isInteger(v) && v >= 0 && v <= max;
+    const wrTotal = Math.floor(wrs.length / WR_STRIDE);
+    const sgeTotal = Math.floor(sges.length / SGE_STRIDE);
+    if (!uint(firstWr, wrTotal) || !uint(count, wrTotal - firstWr) || count === 0) fail('TW_INVALID_INPUT', 'work requests out of range');
+    if (count > q.maxSendWr) fail('TW_RESOURCE_EXHAUSTED', 'chain longer than the send queue');
+    if (!uint(wrIdBase, 2 ** 53 - count)) fail('TW_INVALID_INPUT', 'wrIdBase + count must stay below 2^53');
     const items: Work[] = [];
-    for (let i = 0; i < wrs.length; i += 7) {
-      const [op, wrId, mrId, off, raddr, rkey, len] = Array.from(wrs.subarray(i, i + 7));
-      const mr = this.#mrs.get(Number(mrId));
-      if (!mr) fail('TW_INVALID_INPUT', 'local memory is not registered (or was revoked)');
-      if (Number(off) + Number(len) > mr.length || len === 0n) fail('TW_INVALID_INPUT', 'local range is outside its registration');
-      items.push({ kind: 'rdma', op: op === 0n ? 0 : 1, wrId: Number(wrId), mr, off: Number(off), raddr: raddr as bigint, rkey: Number(rkey), len: Number(len) });
+    for (let i = 0; i < count; i++) {
+      const at = (firstWr + i) * WR_STRIDE;
+      const op = wrs[at + WrField.Op] as number;
+      const hi = wrs[at + WrField.RemoteHi] as number;
+      const lo = wrs[at + WrField.RemoteLo] as number;
+      const rk = wrs[at + WrField.Rkey] as number;
+      const s0 = wrs[at + WrField.FirstSge] as number;
+      const ns = wrs[at + WrField.SgeCount] as number;
+      if (!uint(op, 1)) fail('TW_INVALID_INPUT', 'unknown op');
+      if (!uint(hi, 0xffffffff) || !uint(lo, 0xffffffff)) fail('TW_INVALID_INPUT', 'bad remote address');
+      if (!uint(rk, rkeys.length - 1)) fail('TW_INVALID_INPUT', 'rkey index out of range');
+      if (!uint(ns, q.maxSendSge) || ns === 0) fail('TW_INVALID_INPUT', `a work request needs 1..${q.maxSendSge} SGEs`);
+      if (!uint(s0, sgeTotal) || ns > sgeTotal - s0) fail('TW_INVALID_INPUT', 'SGEs out of range');
+      const list: SimSge[] = [];
+      let len = 0;
+      for (let k = 0; k < ns; k++) {
+        const e = (s0 + k) * SGE_STRIDE;
+        const mr = this.#mrs.get(sges[e + SgeField.Mr] as number);
+        if (!mr) return fail('TW_INVALID_INPUT', 'local memory is not registered (or was revoked)');
+        const off = sges[e + SgeField.Offset] as number;
+        const l = sges[e + SgeField.Length] as number;
+        if (!uint(off, Number.MAX_SAFE_INTEGER) || !uint(l, 2 ** 31) || l === 0 || off + l > mr.length) fail('TW_INVALID_INPUT', 'local range is outside its registration');
+        list.push({ mr, off, len: l });
+        len += l;
+      }
+      if (len > 2 ** 31) fail('TW_INVALID_INPUT', 'a work request moves at most 2 GiB');
+      items.push({
+        kind: 'rdma',
+        seq: 0,
+        signaled: i === count - 1,
+        op: op === 0 ? 0 : 1,
+        wrId: wrIdBase + i,
+        sges: list,
+        raddr: (BigInt(hi) << 32n) | BigInt(lo),
+        rkey: rkeys[rk] as number,
+        len,
+      });
     }
-    const room = q.maxSendWr - q.work.length;
+    const refused = this.#fabric.takePostFault();
+    if (refused !== undefined) {
+      return { posted: 0, errno: refused, error: `ibv_post_send: injected failure (errno ${refused})` };
+    }
+    // Like a provider: every request takes a slot; the first that does not fit fails the post
+    // (ENOMEM) and those before it stay posted.
+    const room = q.maxSendWr - (q.posted - q.retired);
     const posted = Math.max(0, Math.min(room, items.length));
-    q.work.push(...items.slice(0, posted));
-    this.#fabric.counters.postedWrs += posted;
+    for (let i = 0; i < posted; i++) q.work.push({ ...(items[i] as Work & { kind: 'rdma' }), seq: q.posted++ });
+    const f = this.#fabric;
+    f.counters.postedWrs += posted;
+    f.peakSlotsHeld = Math.max(f.peakSlotsHeld, q.posted - q.retired);
+    if (posted > 0) f.posts++;
+    if (posted < items.length) f.postsRefused++;
+    if (f.recordPosts && posted > 0) {
+      const mine = items.slice(0, posted) as (Work & { kind: 'rdma' })[];
+      f.postLog.push({ qpn: q.qpn, sges: mine.map((w) => w.sges.length), bytes: mine.map((w) => w.len), slotsHeld: q.posted - q.retired });
+    }
     this.#run(q);
     return posted === items.length ? { posted, errno: 0 } : { posted, errno: 12, error: 'ibv_post_send: Cannot allocate memory (errno 12)' };
   }
@@ -310,11 +521,12 @@ export class SimDevice implements NativeDevice {
     if (!mr) return fail('TW_INVALID_INPUT', `unknown MR id ${mrId}`);
     if ((mr.access & ACCESS.MwBind) === 0) fail('TW_INVALID_INPUT', `MR ${mrId} was not registered with MwBind access`);
     if (length <= 0 || offset + length > mr.length) fail('TW_INVALID_INPUT', 'window range is outside its registration');
-    if (q.work.length >= q.maxSendWr) return { posted: false, rkey: mw.rkey, errno: 12, error: 'ibv_post_send(BIND_MW): Cannot allocate memory (errno 12)' };
+    if (q.posted - q.retired >= q.maxSendWr) return { posted: false, rkey: mw.rkey, errno: 12, error: 'ibv_post_send(BIND_MW): Cannot allocate memory (errno 12)' };
     const rkey = (mw.rkey & ~0xff) | ((mw.rkey + 1) & 0xff);
-    q.work.push({ kind: 'bind', wrId: Number(wrId), mw, mr, off: offset, len: length, access, rkey });
+    q.work.push({ kind: 'bind', seq: q.posted++, signaled: true, wrId: Number(wrId), mw, mr, off: offset, len: length, access, rkey });
     mw.rkey = rkey;
     this.#fabric.counters.postedWrs++;
+    this.#fabric.peakSlotsHeld = Math.max(this.#fabric.peakSlotsHeld, q.posted - q.retired);
     this.#fabric.binds++;
     this.#run(q);
     return { posted: true, rkey, errno: 0 };
@@ -363,45 +575,67 @@ export class SimDevice implements NativeDevice {
 
   #execute(q: SimQp, w: Work): void {
     const opcode = w.kind === 'bind' ? OPCODE.BindMw : w.op === 0 ? OPCODE.RdmaRead : OPCODE.RdmaWrite;
-    if (q.state === 'ERR') return this.#complete(q, w.wrId, WC.WrFlushErr, opcode);
+    // In ERR every request flushes, and a flush always completes, signaled or not.
+    if (q.state === 'ERR') return this.#complete(q, w, WC.WrFlushErr, opcode);
     if (w.kind === 'bind') {
       if (!this.#mws.has(w.mw.id) || !this.#mrs.has(w.mr.id)) {
         q.state = 'ERR';
-        return this.#complete(q, w.wrId, WC.LocProtErr, opcode);
+        return this.#complete(q, w, WC.LocProtErr, opcode);
       }
       w.mw.bound = { mr: w.mr, addr: w.mr.addr + BigInt(w.off), length: w.len, access: w.access, qpn: q.qpn };
-      return this.#complete(q, w.wrId, WC.Success, opcode);
+      return this.#complete(q, w, WC.Success, opcode);
     }
     const peer = this.#fabric.qps.get(q.destQpn);
     if (!peer || (peer.state !== 'RTR' && peer.state !== 'RTS') || peer.destQpn !== q.qpn) {
       q.state = 'ERR';
-      return this.#complete(q, w.wrId, WC.RetryExcErr, opcode);
+      return this.#complete(q, w, WC.RetryExcErr, opcode);
     }
+    const injected = this.#fabric.takeFault();
     this.#fabric.executed++;
+    if (injected !== undefined) {
+      q.state = 'ERR';
+      return this.#complete(q, w, injected, opcode);
+    }
+    // The local side: every SGE's MR must still be registered (deregistering memory the NIC
+    // still uses is the transport's bug; a NIC would fail it with a protection error).
+    for (const e of w.sges) {
+      if (!this.#mrs.has(e.mr.id)) {
+        q.state = 'ERR';
+        return this.#complete(q, w, WC.LocProtErr, opcode);
+      }
+    }
     const need = w.op === 0 ? ACCESS.RemoteRead : ACCESS.RemoteWrite;
     const target = (peer.access & need) === need ? peer.dev.resolve(w.rkey, w.raddr, w.len, need, peer.qpn) : undefined;
     if (!target) {
       // An access violation takes both ends to ERR (the responder raises IBV_EVENT_QP_ACCESS_ERR).
       q.state = 'ERR';
       peer.state = 'ERR';
-      return this.#complete(q, w.wrId, WC.RemAccessErr, opcode);
+      return this.#complete(q, w, WC.RemAccessErr, opcode);
     }
-    const local = w.mr.buf.subarray(w.off, w.off + w.len);
-    const remote = target.buf.subarray(target.off, target.off + w.len);
-    if (w.op === 0) local.set(remote);
-    else remote.set(local);
-    this.#complete(q, w.wrId, WC.Success, opcode);
+    // One contiguous remote range, scattered into (READ) or gathered from (WRITE) the SGEs in order.
+    let at = target.off;
+    for (const e of w.sges) {
+      const local = e.mr.buf.subarray(e.off, e.off + e.len);
+      const remote = target.buf.subarray(at, at + e.len);
+      if (w.op === 0) local.set(remote);
+      else remote.set(local);
+      at += e.len;
+    }
+    this.#complete(q, w, WC.Success, opcode);
   }
 
-  #complete(q: SimQp, wrId: number, status: number, opcode: number): void {
-    this.#fabric.counters.completions++;
+  /** A request finished: a completion when it is signaled or failed (errors always complete). */
+  #complete(q: SimQp, w: Work, status: number, opcode: number): void {
+    if (status === WC.Success && !w.signaled) return;
     if (this.#fabric.completionGate.isClosed) {
-      this.#fabric.completionGate.hold(() => this.#complete(q, wrId, status, opcode));
-      this.#fabric.counters.completions--;
+      this.#fabric.completionGate.hold(() => this.#complete(q, w, status, opcode));
       return;
     }
+    this.#fabric.counters.completions++;
+    // Polling a completion retires its request and every earlier one: their slots are free.
+    q.retired = Math.max(q.retired, w.seq + 1);
     const first = this.#batch.length === 0;
-    this.#batch.push(q.cqId, wrId, status, opcode, status === WC.Success ? 0 : 0x81);
+    this.#batch.push(q.cqId, w.wrId, status, opcode, status === WC.Success ? 0 : 0x81);
     if (first) {
       setImmediate(() => {
         const t = Float64Array.from(this.#batch);
