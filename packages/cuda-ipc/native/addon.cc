@@ -4,6 +4,7 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -17,6 +18,9 @@
 
 namespace tw {
 namespace {
+
+// Retries of one slot's ranges that overlapped a write, when copyBatch is not told.
+constexpr uint32_t kDefaultBatchAttempts = 10000;
 
 const char* ErrnoName(int e) {
   switch (e) {
@@ -220,6 +224,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("seqCheck", &Addon::SeqCheckJs),
         InstanceMethod("seqCopy", &Addon::SeqCopyJs),
         InstanceMethod("seqCopyRange", &Addon::SeqCopyRangeJs),
+        InstanceMethod("copyBatch", &Addon::CopyBatchJs),
         InstanceMethod("setState", &Addon::SetStateJs),
         InstanceMethod("loadState", &Addon::LoadStateJs),
         InstanceMethod("importerAdd", &Addon::ImporterAddJs),
@@ -447,6 +452,159 @@ class Addon : public Napi::Addon<Addon> {
     return Napi::BigInt::New(info.Env(), gen);
   }
 
+  // copyBatch(op, ranges, count, stride, locals, remotes, segments, segmentFlags, grants, tokens,
+  //           deadlineMs, maxAttempts, generations): one stream batch of host copies in one call.
+  //   op            0 read (segment -> local), 1 write (local -> segment)
+  //   ranges        Float64Array, `stride` numbers per range (core's RANGE_STRIDE), the first
+  //                 seven in core's RangeField order: request, local, localOffset, remote,
+  //                 remoteOffset, length, remoteRange (which must be 0)
+  //   count         ranges in the batch (ranges.length >= stride * count)
+  //   locals        Uint8Array[]: the local buffers, by RangeField.Local
+  //   remotes       Float64Array, 4 numbers per remote (RangeField.Remote): segment index,
+  //                 grant index, base (offset of the granted bytes in the segment mapping),
+  //                 limit (bytes granted)
+  //   segments      ArrayBuffer[]: data segment mappings (shmOpen)
+  //   segmentFlags  Uint8Array, one per segment: bit 0 = seqlocked pool slot
+  //   grants        ArrayBuffer[]: grant segment mappings; tokens: Uint8Array of 16 per grant
+  //   deadlineMs    Date.now() milliseconds bounding waits and retries (0: none)
+  //   maxAttempts   retries of one slot's ranges that overlapped a write (0: default)
+  //   generations   BigUint64Array, one per segment: the generation each seqlocked segment was
+  //                 copied at (0 for others)
+  // Nothing from JS is trusted: every table entry and range is validated against the real
+  // buffer and mapping lengths before any grant is entered or any byte moves. Throws an error
+  // with `code` (TW_INVALID_INPUT, TW_REMOTE_REJECTED with `remoteCode`, TW_TIMED_OUT) and,
+  // where it is about one, `range`, `grant` or `segment` (indices).
+  Napi::Value CopyBatchJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto typed = [&](size_t i, napi_typedarray_type type, const char* what) -> Napi::TypedArray {
+      if (info.Length() <= i || !info[i].IsTypedArray() || info[i].As<Napi::TypedArray>().TypedArrayType() != type) {
+        ThrowInvalid(env, std::string("copyBatch: argument ") + std::to_string(i) + " must be a " + what);
+      }
+      return info[i].As<Napi::TypedArray>();
+    };
+    auto array = [&](size_t i, const char* what) -> Napi::Array {
+      if (info.Length() <= i || !info[i].IsArray()) ThrowInvalid(env, std::string("copyBatch: argument ") + std::to_string(i) + " must be an array of " + what);
+      return info[i].As<Napi::Array>();
+    };
+    auto number = [&](size_t i, const char* what) -> double {
+      if (info.Length() <= i || !info[i].IsNumber()) ThrowInvalid(env, std::string("copyBatch: ") + what + " must be a number");
+      return info[i].As<Napi::Number>().DoubleValue();
+    };
+    double op = number(0, "op");
+    if (op != 0 && op != 1) ThrowInvalid(env, "copyBatch: op must be 0 (read) or 1 (write)");
+    Napi::Float64Array ranges = typed(1, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    double count_d = number(2, "count");
+    if (!(count_d >= 0) || count_d > 0xffffffffu || count_d != static_cast<double>(static_cast<size_t>(count_d))) {
+      ThrowInvalid(env, "copyBatch: count must be a non-negative integer below 2^32");
+    }
+    const size_t count = static_cast<size_t>(count_d);
+    double stride_d = number(3, "stride");
+    if (!(stride_d >= static_cast<double>(kBatchFields)) || stride_d > 64 || stride_d != static_cast<double>(static_cast<size_t>(stride_d))) {
+      ThrowInvalid(env, "copyBatch: stride must be an integer from " + std::to_string(kBatchFields) + " to 64");
+    }
+    const size_t stride = static_cast<size_t>(stride_d);
+    Napi::Array locals_js = array(4, "Uint8Array");
+    Napi::Float64Array remotes_js = typed(5, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Array segments_js = array(6, "ArrayBuffer");
+    Napi::Uint8Array flags_js = typed(7, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    Napi::Array grants_js = array(8, "ArrayBuffer");
+    Napi::Uint8Array tokens_js = typed(9, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    double deadline = number(10, "deadlineMs");
+    double attempts = number(11, "maxAttempts");
+    Napi::TypedArray gens_js = typed(12, napi_biguint64_array, "BigUint64Array");
+
+    BatchInput in;
+    in.write = op == 1;
+    in.deadline_ms = std::isfinite(deadline) && deadline > 0 ? deadline : 0;
+    in.max_attempts = attempts >= 1 && attempts <= 1e9 ? static_cast<uint32_t>(attempts) : kDefaultBatchAttempts;
+
+    // First every element read (an element read may run a getter, which could detach or
+    // replace a buffer), then, with no JS running any more, their pointers and lengths.
+    std::vector<Napi::Value> local_vals(locals_js.Length()), segment_vals(segments_js.Length()), grant_vals(grants_js.Length());
+    for (uint32_t i = 0; i < local_vals.size(); i++) local_vals[i] = locals_js.Get(i);
+    for (uint32_t i = 0; i < segment_vals.size(); i++) segment_vals[i] = segments_js.Get(i);
+    for (uint32_t i = 0; i < grant_vals.size(); i++) grant_vals[i] = grants_js.Get(i);
+    locals_.resize(local_vals.size());
+    for (size_t i = 0; i < local_vals.size(); i++) {
+      Napi::Value v = local_vals[i];
+      if (!v.IsTypedArray() || v.As<Napi::TypedArray>().TypedArrayType() != napi_uint8_array) {
+        ThrowInvalid(env, "copyBatch: locals[" + std::to_string(i) + "] must be a Uint8Array");
+      }
+      Napi::Uint8Array u8 = v.As<Napi::Uint8Array>();
+      locals_[i] = BatchLocal{u8.Data(), u8.ByteLength()};
+    }
+    segments_.resize(segment_vals.size());
+    if (flags_js.ElementLength() != segments_.size()) ThrowInvalid(env, "copyBatch: one segment flag per segment");
+    if (gens_js.ElementLength() < segments_.size()) ThrowInvalid(env, "copyBatch: generations must hold one value per segment");
+    for (size_t i = 0; i < segment_vals.size(); i++) {
+      Napi::Value v = segment_vals[i];
+      if (!v.IsArrayBuffer()) ThrowInvalid(env, "copyBatch: segments[" + std::to_string(i) + "] must be an ArrayBuffer");
+      Napi::ArrayBuffer ab = v.As<Napi::ArrayBuffer>();
+      uint8_t flags = flags_js.Data()[i];
+      if (flags > 1) ThrowInvalid(env, "copyBatch: segment flags must be 0 or 1");
+      segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), flags == 1};
+    }
+    grants_.resize(grant_vals.size());
+    if (tokens_js.ByteLength() != grants_.size() * kTokenBytes) ThrowInvalid(env, "copyBatch: tokens must hold 16 bytes per grant");
+    for (size_t i = 0; i < grant_vals.size(); i++) {
+      Napi::Value v = grant_vals[i];
+      if (!v.IsArrayBuffer()) ThrowInvalid(env, "copyBatch: grants[" + std::to_string(i) + "] must be an ArrayBuffer");
+      Napi::ArrayBuffer ab = v.As<Napi::ArrayBuffer>();
+      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), tokens_js.Data() + i * kTokenBytes};
+    }
+    // The remote table and the ranges are copied out of the typed arrays before they are
+    // checked, so a buffer shared with another thread cannot change them after the check.
+    const size_t nrem_values = remotes_js.ElementLength();
+    if (nrem_values % 4 != 0) ThrowInvalid(env, "copyBatch: remotes must hold 4 numbers per remote");
+    remotes_.resize(nrem_values / 4);
+    const double* rv = remotes_js.Data();
+    for (size_t r = 0; r < remotes_.size(); r++) {
+      double seg = BatchLoadOnce(rv + 4 * r), grant = BatchLoadOnce(rv + 4 * r + 1), base = BatchLoadOnce(rv + 4 * r + 2),
+             limit = BatchLoadOnce(rv + 4 * r + 3);
+      for (double d : {seg, grant, base, limit}) {
+        if (!(d >= 0) || d > 9007199254740991.0 || d != static_cast<double>(static_cast<uint64_t>(d))) {
+          ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
+        }
+      }
+      if (seg > 0xffffffffu || grant > 0xffffffffu) ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " names a segment or grant that is not in the batch");
+      remotes_[r] = BatchRemote{static_cast<uint32_t>(seg), static_cast<uint32_t>(grant), static_cast<uint64_t>(base), static_cast<uint64_t>(limit)};
+    }
+    in.locals = locals_.data();
+    in.n_locals = locals_.size();
+    in.remotes = remotes_.data();
+    in.n_remotes = remotes_.size();
+    in.segments = segments_.data();
+    in.n_segments = segments_.size();
+    in.grants = grants_.data();
+    in.n_grants = grants_.size();
+    BatchFailure f;
+    if (!CheckBatchTables(in, &f)) ThrowBatch(env, f);
+    // Lengths are read only now, after the last element read above.
+    if (count > ranges.ElementLength() / stride) ThrowInvalid(env, "copyBatch: ranges holds fewer than stride * count numbers");
+    ranges_.resize(count);
+    const double* rd = ranges.Data();
+    for (size_t i = 0; i < count; i++) {
+      if (!DecodeBatchRange(rd, stride, i, in.locals, in.n_locals, in.remotes, in.n_remotes, in.write, in.segments, &ranges_[i], &f)) ThrowBatch(env, f);
+    }
+    in.ranges = ranges_.data();
+    in.count = count;
+    // BigUint64Array: 8-byte elements, 8-byte aligned by construction.
+    uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
+    bool ok = RunBatch(in, &order_, gens, &f);
+    if (!ok) ThrowBatch(env, f);
+    return env.Undefined();
+  }
+
+  [[noreturn]] static void ThrowBatch(Napi::Env env, const BatchFailure& f) {
+    Napi::Error e = Napi::Error::New(env, f.message);
+    e.Set("code", Napi::String::New(env, f.code));
+    if (f.remote_code[0] != '\0') e.Set("remoteCode", Napi::String::New(env, f.remote_code));
+    if (f.range >= 0) e.Set("range", Napi::Number::New(env, static_cast<double>(f.range)));
+    if (f.grant >= 0) e.Set("grant", Napi::Number::New(env, static_cast<double>(f.grant)));
+    if (f.segment >= 0) e.Set("segment", Napi::Number::New(env, static_cast<double>(f.segment)));
+    throw e;
+  }
+
   Napi::Value SetStateJs(const Napi::CallbackInfo& info) {
     Bytes seg = SegmentArg(info, 0);
     Status s = SetState(seg.data, seg.size, static_cast<uint32_t>(I32Arg(info, 1)));
@@ -653,6 +811,13 @@ class Addon : public Napi::Addon<Addon> {
 
   std::shared_ptr<CudaDriver> cuda_;
   std::set<std::string> created_;
+  // copyBatch scratch, kept between calls so a batch allocates nothing once warm.
+  std::vector<BatchLocal> locals_;
+  std::vector<BatchSegment> segments_;
+  std::vector<BatchGrant> grants_;
+  std::vector<BatchRemote> remotes_;
+  std::vector<BatchRange> ranges_;
+  std::vector<uint32_t> order_;
 };
 
 }  // namespace

@@ -523,6 +523,239 @@ bool SeqCheck(const uint8_t* base, size_t size, uint64_t generation) {
   return __atomic_load_n(AtomicAt<uint32_t>(base, off::state), __ATOMIC_ACQUIRE) == kStateLive;
 }
 
+// ---- batches ----
+
+namespace {
+
+constexpr double kMaxSafeInteger = 9007199254740991.0;
+
+// A single read of a double that another thread may be writing (a SharedArrayBuffer):
+// the value checked is the value used, never a second read of the memory.
+inline double LoadOnce(const double* p) {
+  uint64_t bits = __atomic_load_n(reinterpret_cast<const uint64_t*>(p), __ATOMIC_RELAXED);
+  double d;
+  std::memcpy(&d, &bits, sizeof d);
+  return d;
+}
+
+// A non-negative safe integer (NaN, infinities, negatives and fractions fail).
+inline bool SafeInteger(double d) {
+  return d >= 0 && d <= kMaxSafeInteger && d == static_cast<double>(static_cast<uint64_t>(d));
+}
+
+double RealtimeMs() {
+  timespec t;
+  clock_gettime(CLOCK_REALTIME, &t);
+  return static_cast<double>(t.tv_sec) * 1000.0 + static_cast<double>(t.tv_nsec) / 1e6;
+}
+
+bool Fail(BatchFailure* f, const char* code, const char* remote_code, std::string message) {
+  f->code = code;
+  f->remote_code = remote_code;
+  f->message = std::move(message);
+  return false;
+}
+
+inline void CopyRange(const BatchInput& in, const BatchRange& r) {
+  const BatchRemote& rem = in.remotes[r.remote];
+  uint8_t* remote = in.segments[rem.segment].base + rem.base + r.remote_offset;
+  uint8_t* local = in.locals[r.local].data + r.local_offset;
+  if (in.write) {
+    std::memcpy(remote, local, static_cast<size_t>(r.length));
+  } else {
+    std::memcpy(local, remote, static_cast<size_t>(r.length));
+  }
+}
+
+// The seqlock reader protocol (invariant 11) over every range of one segment at once: acquire
+// load of the generation, plain copies of all the ranges, acquire fence, relaxed re-load; a
+// changed generation drops the copies and repeats them all, so the ranges are one snapshot.
+bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_t n, uint64_t* generation_out,
+                    BatchFailure* f) {
+  const uint64_t* gen = AtomicAt<uint64_t>(in.segments[s].base, off::generation);
+  const bool has_deadline = in.deadline_ms > 0;
+  const uint64_t started = MonotonicNs();
+  uint64_t stuck_value = 0;
+  uint32_t stuck_polls = 0;
+  uint64_t stuck_since = 0;
+  uint32_t polls = 0;
+  uint32_t attempt = 0;
+  auto deadline_passed = [&] { return has_deadline && RealtimeMs() > in.deadline_ms; };
+  for (;;) {
+    // Acquire: none of the copies below moves above this load.
+    uint64_t g1 = __atomic_load_n(gen, __ATOMIC_ACQUIRE);
+    if (g1 & 1u) {
+      // A write is in progress: wait, bounded per write (a writer stuck on one odd value died
+      // mid-write) and by the caller's deadline.
+      if (g1 != stuck_value) {
+        stuck_value = g1;
+        stuck_polls = 0;
+        stuck_since = 0;
+      }
+      ++stuck_polls;
+      if ((++polls & 1023u) == 0 || stuck_polls == 1) {
+        uint64_t now = MonotonicNs();
+        if (stuck_since == 0) stuck_since = now;
+        if (now - stuck_since > kStuckWriterNs) {
+          return Fail(f, kTimedOut, "", "segment stayed write-locked (a writer is busy or died mid-write)");
+        }
+        if (deadline_passed()) return Fail(f, kTimedOut, "", "deadline passed while the slot was write-locked");
+      }
+      CpuRelax(stuck_polls);
+      continue;
+    }
+    for (size_t k = 0; k < n; k++) CopyRange(in, in.ranges[idx[k]]);
+    // Acquire fence: the copies above complete before the re-check below.
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    uint64_t g2 = __atomic_load_n(gen, __ATOMIC_RELAXED);
+    if (g1 == g2) {
+      *generation_out = g1;
+      return true;
+    }
+    if (deadline_passed()) return Fail(f, kTimedOut, "", "deadline passed while the slot was being rewritten");
+    if (++attempt >= in.max_attempts || MonotonicNs() - started > kReadDeadlineNs) {
+      return Fail(f, kRemoteRejected, "slot-rewritten",
+                  "the pool slot was rewritten during every one of " + std::to_string(attempt) +
+                      " copies of its ranges; read again");
+    }
+  }
+}
+
+bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* generations, BatchFailure* f) {
+  bool any_seq = false;
+  for (size_t s = 0; s < in.n_segments; s++) {
+    generations[s] = 0;
+    any_seq = any_seq || in.segments[s].seqlocked;
+  }
+  if (in.write || !any_seq) {
+    for (size_t i = 0; i < in.count; i++) CopyRange(in, in.ranges[i]);
+    return true;
+  }
+  // Group the ranges by segment (counting sort, stable): order[0..n_segments] are the start
+  // offsets, then the range indices segment by segment.
+  const size_t ns = in.n_segments;
+  order->assign(ns + 1 + in.count, 0);
+  uint32_t* start = order->data();
+  uint32_t* idx = start + ns + 1;
+  for (size_t i = 0; i < in.count; i++) start[in.remotes[in.ranges[i].remote].segment + 1]++;
+  for (size_t s = 0; s < ns; s++) start[s + 1] += start[s];
+  {
+    std::vector<uint32_t> fill(start, start + ns);
+    for (size_t i = 0; i < in.count; i++) idx[fill[in.remotes[in.ranges[i].remote].segment]++] = static_cast<uint32_t>(i);
+  }
+  for (size_t s = 0; s < ns; s++) {
+    const uint32_t* first = idx + start[s];
+    size_t n = start[s + 1] - start[s];
+    if (n == 0) continue;
+    if (!in.segments[s].seqlocked) {
+      for (size_t k = 0; k < n; k++) CopyRange(in, in.ranges[first[k]]);
+    } else if (!SeqCopySegment(in, static_cast<uint32_t>(s), first, n, &generations[s], f)) {
+      f->segment = static_cast<int64_t>(s);
+      return false;
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
+bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchLocal* locals, size_t n_locals, const BatchRemote* remotes,
+                      size_t n_remotes, bool write, const BatchSegment* segments, BatchRange* out, BatchFailure* f) {
+  f->range = static_cast<int64_t>(i);
+  // One read of each value (the array may be shared with another thread), then checks.
+  double r[kBatchFields];
+  for (size_t k = 0; k < kBatchFields; k++) r[k] = LoadOnce(at + i * stride + k);
+  static const char* const kFields[kBatchFields] = {"request", "local", "localOffset", "remote", "remoteOffset", "length", "remoteRange"};
+  for (size_t k = 0; k < kBatchFields; k++) {
+    if (!SafeInteger(r[k])) {
+      return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": " + kFields[k] + " is not a non-negative safe integer");
+    }
+  }
+  const uint64_t li = static_cast<uint64_t>(r[1]);
+  const uint64_t lo = static_cast<uint64_t>(r[2]);
+  const uint64_t ri = static_cast<uint64_t>(r[3]);
+  const uint64_t ro = static_cast<uint64_t>(r[4]);
+  const uint64_t len = static_cast<uint64_t>(r[5]);
+  if (li >= n_locals) return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": local " + std::to_string(li) + " is not in the batch");
+  if (ri >= n_remotes) return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": remote " + std::to_string(ri) + " is not in the batch");
+  if (len == 0) return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + " is empty");
+  if (r[6] != 0) {
+    return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": remote range " + std::to_string(static_cast<uint64_t>(r[6])) +
+                                          " does not exist (a cuda-ipc grant is one range)");
+  }
+  const BatchLocal& local = locals[li];
+  if (len > local.size || lo > local.size - len) {
+    return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": local bytes " + std::to_string(lo) + "+" + std::to_string(len) +
+                                          " exceed the local buffer of " + std::to_string(local.size) + " bytes");
+  }
+  const BatchRemote& remote = remotes[ri];
+  if (len > remote.limit || ro > remote.limit - len) {
+    return Fail(f, kRemoteRejected, "bounds", "range " + std::to_string(i) + ": remote bytes " + std::to_string(ro) + "+" + std::to_string(len) +
+                                                  " exceed the grant of " + std::to_string(remote.limit) + " bytes");
+  }
+  if (write && segments[remote.segment].seqlocked) {
+    return Fail(f, kRemoteRejected, "read-only", "range " + std::to_string(i) + ": the remote is a pool slot; peers may read it, only its owner writes it");
+  }
+  out->local = static_cast<uint32_t>(li);
+  out->local_offset = lo;
+  out->remote = static_cast<uint32_t>(ri);
+  out->remote_offset = ro;
+  out->length = len;
+  f->range = -1;
+  return true;
+}
+
+double BatchLoadOnce(const double* p) { return LoadOnce(p); }
+
+bool CheckBatchTables(const BatchInput& in, BatchFailure* f) {
+  for (size_t s = 0; s < in.n_segments; s++) {
+    const BatchSegment& seg = in.segments[s];
+    if (!seg.seqlocked) continue;
+    Meta m;
+    Status st = DecodeStatic(seg.base, seg.size, kKindPool, "", &m);
+    if (st.ok() && m.device != -1) st = Status::Fail(kInvalidInput, "slot " + m.id + " holds cuda memory, not host memory");
+    if (!st.ok()) {
+      f->segment = static_cast<int64_t>(s);
+      return Fail(f, st.code, "", "segment " + std::to_string(s) + ": " + st.message);
+    }
+  }
+  for (size_t r = 0; r < in.n_remotes; r++) {
+    const BatchRemote& rem = in.remotes[r];
+    if (rem.segment >= in.n_segments || rem.grant >= in.n_grants) {
+      return Fail(f, kInvalidInput, "", "remote " + std::to_string(r) + " names a segment or grant that is not in the batch");
+    }
+    const BatchSegment& seg = in.segments[rem.segment];
+    // The granted bytes lie in the segment's data area, never in its header, and inside the
+    // mapping (whose size came from fstat).
+    if (seg.base == nullptr || rem.base < kDataOffset || rem.base > seg.size || rem.limit > seg.size - rem.base) {
+      return Fail(f, kInvalidInput, "", "remote " + std::to_string(r) + ": granted bytes " + std::to_string(rem.base) + "+" + std::to_string(rem.limit) +
+                                            " lie outside the data of its segment (" + std::to_string(seg.size) + " bytes)");
+    }
+  }
+  for (size_t g = 0; g < in.n_grants; g++) {
+    if (in.grants[g].token == nullptr) return Fail(f, kInvalidInput, "", "grant " + std::to_string(g) + " has no token");
+  }
+  return true;
+}
+
+bool RunBatch(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* generations, BatchFailure* f) {
+  size_t entered = 0;
+  for (; entered < in.n_grants; entered++) {
+    const BatchGrant& g = in.grants[entered];
+    GrantResult r = GrantEnter(g.base, g.size, g.token, kTokenBytes);
+    if (r != kGrantOk) {
+      for (size_t k = 0; k < entered; k++) GrantLeave(in.grants[k].base, in.grants[k].size);
+      f->grant = static_cast<int64_t>(entered);
+      const char* rc = r == kGrantRevoked ? "revoked" : r == kGrantBadToken ? "bad-token" : "bad-grant";
+      const char* why = r == kGrantRevoked ? "was revoked" : r == kGrantBadToken ? "rejected the token" : "is not a grant";
+      return Fail(f, kRemoteRejected, rc, std::string("grant ") + std::to_string(entered) + " " + why);
+    }
+  }
+  bool ok = CopyAll(in, order, generations, f);
+  for (size_t k = 0; k < in.n_grants; k++) GrantLeave(in.grants[k].base, in.grants[k].size);
+  return ok;
+}
+
 Status SetState(uint8_t* base, size_t size, uint32_t state) {
   Status s = BasicChecks(base, size);
   if (!s.ok()) return s;

@@ -105,6 +105,94 @@ Status SeqCopy(const uint8_t* base, size_t size, const std::string& expect_id, u
 // against the mapping size. TW_TIMED_OUT when no consistent copy could be made.
 Status SeqCopyRange(const uint8_t* base, size_t size, uint64_t offset, uint64_t length, uint8_t* dst, size_t dst_len,
                     uint32_t max_attempts, uint64_t* generation_out);
+// ---- batches (the transport's one native call per stream batch) ----
+
+// One range of a batch, decoded from the caller's Float64Array and validated.
+struct BatchRange {
+  uint64_t local_offset = 0;
+  uint64_t remote_offset = 0;
+  uint64_t length = 0;
+  uint32_t local = 0;
+  uint32_t remote = 0;
+};
+// A local host buffer (the caller's Uint8Array).
+struct BatchLocal {
+  uint8_t* data = nullptr;
+  size_t size = 0;
+};
+// A data segment mapping (an ArrayBuffer from shmOpen, sized by fstat). Seqlocked: a host
+// pool slot whose bytes its owner publishes under the header's seqlock.
+struct BatchSegment {
+  uint8_t* base = nullptr;
+  size_t size = 0;
+  bool seqlocked = false;
+};
+// A grant segment mapping and the token to enter it with (kTokenBytes).
+struct BatchGrant {
+  uint8_t* base = nullptr;
+  size_t size = 0;
+  const uint8_t* token = nullptr;
+};
+// A remote of the batch: which segment and grant it is, and the granted bytes
+// [base, base + limit) of the segment mapping (base counts from the start of the mapping).
+struct BatchRemote {
+  uint32_t segment = 0;
+  uint32_t grant = 0;
+  uint64_t base = 0;
+  uint64_t limit = 0;
+};
+struct BatchInput {
+  bool write = false;
+  const BatchRange* ranges = nullptr;
+  size_t count = 0;
+  const BatchLocal* locals = nullptr;
+  size_t n_locals = 0;
+  const BatchRemote* remotes = nullptr;
+  size_t n_remotes = 0;
+  const BatchSegment* segments = nullptr;
+  size_t n_segments = 0;
+  const BatchGrant* grants = nullptr;
+  size_t n_grants = 0;
+  // CLOCK_REALTIME milliseconds (Date.now()); 0 = none. Bounds waits and retries.
+  double deadline_ms = 0;
+  // Copies of one slot's ranges that overlapped a write and were retried, at most.
+  uint32_t max_attempts = 0;
+};
+// Why a batch failed. `code` mirrors @tensorwire/core's error codes; `remote_code` is the
+// RemoteRejectedError remoteCode when code is kRemoteRejected. Indices are -1 when n/a.
+struct BatchFailure {
+  const char* code = nullptr;
+  std::string message;
+  const char* remote_code = "";
+  int64_t range = -1;
+  int64_t grant = -1;
+  int64_t segment = -1;
+};
+
+// Numbers per range the addon reads: core's RangeField Request, Local, LocalOffset, Remote,
+// RemoteOffset, Length, RemoteRange, in this order (a wider stride leaves the rest unread).
+constexpr size_t kBatchFields = 7;
+// Decode range `i` of `at` (`stride` >= kBatchFields numbers per range) and check it against
+// the tables: every value a non-negative safe integer, indices inside the tables, length >= 1,
+// remote range 0 (a grant here is one range), both sides inside their bounds (the local
+// buffer's length, the remote's granted limit). Overflow-safe. False with `f` set otherwise.
+bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchLocal* locals, size_t n_locals, const BatchRemote* remotes,
+                      size_t n_remotes, bool write, const BatchSegment* segments, BatchRange* out, BatchFailure* f);
+// Check the tables themselves: each remote's segment and grant index inside the tables and its
+// granted bytes inside the segment's data area (never the header); each seqlocked segment a
+// valid host pool slot header.
+bool CheckBatchTables(const BatchInput& in, BatchFailure* f);
+// One read of the double at `p` (which another thread may be writing), for the tables.
+double BatchLoadOnce(const double* p);
+// Run a validated batch: enter every grant once (in-flight counter++, state and token checked,
+// seq_cst; on a failure the grants entered so far are left and nothing is copied), copy every
+// range, leave every grant. A read of a seqlocked segment copies all of that segment's ranges
+// under one seqlock read (acquire load of the generation, copies, acquire fence, re-load) and
+// retries all of them when a write overlapped, at most `max_attempts` times (then
+// kRemoteRejected / "slot-rewritten"); `generations[s]` is the generation segment s was copied
+// at (0 for segments without a seqlock). `order` is scratch space.
+bool RunBatch(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* generations, BatchFailure* f);
+
 // Owner's write: validate against the owner's capacity, take the seqlock, copy, publish.
 Status SeqWrite(uint8_t* base, size_t size, uint64_t owner_capacity, const uint8_t* src, size_t len,
                 uint32_t dtype, const std::vector<uint64_t>& shape, uint64_t* generation_out);

@@ -101,6 +101,35 @@ export interface NativeAddon {
    * TimedOutError when no consistent copy could be made.
    */
   seqCopyRange(segment: ArrayBuffer, offset: number, length: number, dst: Uint8Array, maxAttempts?: number): bigint;
+  /**
+   * One stream batch of host copies in one call (see native/addon.cc, CopyBatchJs). `op` 0
+   * reads (segment → local), 1 writes. `ranges` holds `count` ranges of `stride` numbers, the
+   * first seven in core's RangeField order (RemoteRange must be 0);
+   * `locals` the local buffers by RangeField.Local; `remotes` 4 numbers per RangeField.Remote
+   * (segment index, grant index, offset of the granted bytes in the segment mapping, bytes
+   * granted); `segments` the data segment mappings with `segmentFlags` (1: seqlocked pool
+   * slot); `grants` the grant mappings with 16 bytes each of `tokens`. Validates everything
+   * against the real lengths before any grant is entered or any byte moves; enters each
+   * grant once; copies all of a pool slot's ranges as one seqlock snapshot (retried at most
+   * `maxAttempts` times, bounded by `deadlineMs`), writing its generation to `generations`.
+   * Errors carry `details.range`, `details.grant` or `details.segment` (indices) where they
+   * are about one, and `details.remoteCode` for RemoteRejectedError.
+   */
+  copyBatch(
+    op: 0 | 1,
+    ranges: Float64Array,
+    count: number,
+    stride: number,
+    locals: readonly Uint8Array[],
+    remotes: Float64Array,
+    segments: readonly ArrayBuffer[],
+    segmentFlags: Uint8Array,
+    grants: readonly ArrayBuffer[],
+    tokens: Uint8Array,
+    deadlineMs: number,
+    maxAttempts: number,
+    generations: BigUint64Array,
+  ): void;
   setState(segment: ArrayBuffer, state: number): void;
   loadState(segment: ArrayBuffer): number;
   importerAdd(segment: ArrayBuffer): boolean;
@@ -167,7 +196,7 @@ export function toTypedError(e: unknown): TensorwireError | unknown {
     const code = (e as { code?: unknown }).code;
     if (isErrorCode(code)) {
       const details: Record<string, unknown> = {};
-      for (const k of ['errno', 'errnoName', 'syscall', 'cuResult', 'cuCall'] as const) {
+      for (const k of ['errno', 'errnoName', 'syscall', 'cuResult', 'cuCall', 'remoteCode', 'range', 'grant', 'segment'] as const) {
         const v = (e as unknown as Record<string, unknown>)[k];
         if (v !== undefined && v !== '') details[k] = v;
       }
@@ -205,6 +234,42 @@ function wrap<K extends keyof NativeAddon>(key: K): NativeAddon[K] {
   return fn as NativeAddon[K];
 }
 
+/**
+ * Hot-path entries, called once per stream batch: a direct call with fixed arguments (no rest
+ * parameters, no `apply`), the same error conversion as {@link wrap}.
+ */
+function copyBatch(
+  op: 0 | 1,
+  ranges: Float64Array,
+  count: number,
+  stride: number,
+  locals: readonly Uint8Array[],
+  remotes: Float64Array,
+  segments: readonly ArrayBuffer[],
+  segmentFlags: Uint8Array,
+  grants: readonly ArrayBuffer[],
+  tokens: Uint8Array,
+  deadlineMs: number,
+  maxAttempts: number,
+  generations: BigUint64Array,
+): void {
+  const a = loaded?.addon ?? addon();
+  try {
+    a.copyBatch(op, ranges, count, stride, locals, remotes, segments, segmentFlags, grants, tokens, deadlineMs, maxAttempts, generations);
+  } catch (e) {
+    throw toTypedError(e);
+  }
+}
+
+function loadState(segment: ArrayBuffer): number {
+  const a = loaded?.addon ?? addon();
+  try {
+    return a.loadState(segment);
+  } catch (e) {
+    throw toTypedError(e);
+  }
+}
+
 /** The addon, with every native error converted to a typed error. Loads lazily. */
 export const native: NativeAddon = {
   layout: wrap('layout'),
@@ -220,8 +285,9 @@ export const native: NativeAddon = {
   seqCheck: wrap('seqCheck'),
   seqCopy: wrap('seqCopy'),
   seqCopyRange: wrap('seqCopyRange'),
+  copyBatch,
   setState: wrap('setState'),
-  loadState: wrap('loadState'),
+  loadState,
   importerAdd: wrap('importerAdd'),
   importerRemove: wrap('importerRemove'),
   importers: wrap('importers'),

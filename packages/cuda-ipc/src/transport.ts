@@ -1,23 +1,30 @@
 /**
  * The `cuda-ipc` transport: same-host, one-sided transfers through shared memory and CUDA
- * IPC, implementing @tensorwire/core's transport interface v1.
+ * IPC, implementing @tensorwire/core's transport interface v2 (one {@link TransferBatch} per
+ * stream: typed-array ranges over small tables of handles).
  *
  * Design (see README, "Transport"):
  * - Connectionless. `start()` creates a presence segment `/tw-n.<node>.<random>` whose
  *   header names the node and incarnation (`node:<nodeId>:<incarnation>`); the endpoint blob
  *   carries the host id and that segment's name. `connect()` opens it and checks the id,
  *   the state and the pid, which proves the peer's nodeId and incarnation to a process of
- *   the same user on the same host. Every `execute()` re-checks the presence segment, so
- *   a closed or dead peer gives ConnectionBrokenError.
+ *   the same user on the same host. Every `execute()` re-checks the presence segment and the
+ *   peer's pid, so a closed or dead peer gives ConnectionBrokenError.
  * - Grants. Registering host memory that lives in one of this package's shared segments
  *   (a pool slot, or {@link allocateSharedMemory}) or CUDA memory creates a grant segment
  *   `/tw-g.<node>.<random>` with a random 128-bit token, the target (segment name + range,
  *   or CUDA IPC handle + offset) and an in-flight counter. The descriptor payload carries
- *   the grant name and token. A peer's copy enters the grant (counter++, then state and
- *   token checked, seq_cst), copies, and leaves. `revoke()` marks the grant dead, zeroes the
+ *   the grant name and token. A peer's batch enters each of its grants once (counter++, then
+ *   state and token checked, seq_cst), copies, and leaves. `revoke()` marks the grant dead, zeroes the
  *   token, waits for the counter to reach 0, then unlinks it: after that every access fails
  *   with RemoteRejectedError, even through mappings the peer has cached. A grant over a pool
  *   slot is read-only to peers, and a peer reads it under the slot's seqlock (never torn).
+ * - Batches. A batch of host memory on both sides is one native call (`copyBatch`): the
+ *   transport resolves each distinct grant, data segment and local handle of the batch once
+ *   (cached per batch), and the addon validates every range against the real buffer and
+ *   mapping lengths, enters each grant once, copies every range, and leaves; all of a pool
+ *   slot's ranges in a batch are one seqlock snapshot. Batches with CUDA memory on either side
+ *   take a per-range path (one driver copy per range).
  * - Other host memory (a plain Uint8Array) registers as local-only: it can be the local
  *   side of any transfer, and a peer that tries to use it remotely gets a clear
  *   InvalidInputError from decodeRemote.
@@ -28,6 +35,7 @@ import { createConnection, createServer, type Server, type Socket } from 'node:n
 import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import {
+  BackendUnavailableError,
   ByteReader,
   ByteWriter,
   ClosedError,
@@ -36,8 +44,7 @@ import {
   RemoteRejectedError,
   SessionInvalidatedError,
   TRANSPORT_SPECIFICATION_VERSION,
-  type TensorwireError,
-
+  TensorwireError,
   errorFromSignal,
   formatId,
   silentLogger,
@@ -52,7 +59,10 @@ import {
   type TransportConnection,
   type TransportHost,
   type TransportRegistration,
-  type TransferChunk,
+  type TransferBatch,
+  RANGE_STRIDE,
+  RangeField,
+  errorFromCode,
   isToken,
 } from '@tensorwire/core';
 import { GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native } from './native.js';
@@ -192,7 +202,7 @@ export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteL
   const length = r.safeU64('length');
   r.end();
   if (length !== byteLength) throw new InvalidInputError(`cuda-ipc payload grants ${length} bytes, descriptor says ${byteLength}`, { details: { field: 'byteLength' } });
-  return { kind, grantName, token, length };
+  return Object.freeze({ kind, grantName, token, length });
 }
 
 /** What a grant segment says, validated. */
@@ -205,6 +215,101 @@ interface GrantTarget {
   readonly device: number;
   readonly ipcHandle: Uint8Array;
   readonly flags: number;
+}
+
+/**
+ * The addon reads ranges in core's layout as it was built for: the first seven RangeField
+ * positions in this order. Checked here, so a changed layout fails loudly instead of copying wrong bytes.
+ */
+const LAYOUT_PROBLEM =
+  RangeField.Request === 0 &&
+  RangeField.Local === 1 &&
+  RangeField.LocalOffset === 2 &&
+  RangeField.Remote === 3 &&
+  RangeField.RemoteOffset === 4 &&
+  RangeField.Length === 5 &&
+  RangeField.RemoteRange === 6 &&
+  RANGE_STRIDE >= 7
+    ? undefined
+    : `@tensorwire/cuda-ipc was built for another range layout than this @tensorwire/core's (RANGE_STRIDE ${RANGE_STRIDE})`;
+
+/** Numbers per remote in {@link HostPlan.remotes}: segment index, grant index, base, limit. */
+const REMOTE_STRIDE = 4;
+/**
+ * Copies of one pool slot's ranges (in one batch) that overlapped the owner's write and were
+ * retried, at most, before the batch is refused as `slot-rewritten`. Bounded in time as well:
+ * the transfer's deadline, 10 s in all, 2 s on one write in progress.
+ */
+const SLOT_ATTEMPTS = 10_000;
+/** How often (ms) a connection confirms that the peer's pid is still the same process. */
+const PID_RECHECK_MS = 250;
+/** RemoteRejectedError codes about the request itself, never caused by a peer going away. */
+const REQUEST_CODES: ReadonlySet<string> = new Set(['slot-rewritten', 'bounds', 'read-only']);
+
+/**
+ * What a connection derives from a host-only batch once: the tables of
+ * {@link native.copyBatch}. Indices in `remotes` are into `segments` and `grants`.
+ */
+interface HostPlan {
+  readonly op: 0 | 1;
+  /** The local buffers, by the batch's local index. */
+  readonly locals: Uint8Array[];
+  /** Per batch remote: segment index, grant index, offset of the granted bytes in the segment mapping, bytes granted. */
+  readonly remotes: Float64Array;
+  /** Distinct data segments (mappings) and their names. */
+  readonly segments: ArrayBuffer[];
+  readonly segmentNames: string[];
+  /** Per segment: 1 when it is a seqlocked pool slot. */
+  readonly segmentFlags: Uint8Array;
+  readonly seqlocked: boolean;
+  /** Distinct grants (mapping + token) and their names. */
+  readonly grants: ArrayBuffer[];
+  readonly grantNames: string[];
+  /** 16 bytes per grant. */
+  readonly tokens: Uint8Array;
+  /** Filled by each copy: the generation each seqlocked segment was copied at. */
+  readonly generations: BigUint64Array;
+}
+
+/** One batch's copy of a pool slot in a transfer (a short list: one entry per stream batch). */
+interface SlotCopy {
+  readonly batch: TransferBatch;
+  generation: bigint;
+  readonly next: SlotCopy | undefined;
+}
+
+/** A decoded remote as one connection resolved it. */
+interface ResolvedRemote {
+  readonly g: GrantTarget;
+  /** The data segment mapping of a host grant (undefined: a CUDA grant). */
+  readonly data: ArrayBuffer | undefined;
+  /** A pool slot: read under its seqlock, never written by peers. */
+  readonly seqlocked: boolean;
+}
+
+function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
+  if (a.byteLength !== b.byteLength) return false;
+  for (let i = 0; i < a.byteLength; i++) if (a[i] !== b[i]) return false;
+  return true;
+}
+
+function isRemoteGrant(r: unknown): r is RemoteGrant {
+  if (typeof r !== 'object' || r === null) return false;
+  const g = r as Partial<RemoteGrant>;
+  return (g.kind === 'host' || g.kind === 'cuda') && typeof g.grantName === 'string' && g.token instanceof Uint8Array && g.token.byteLength === TOKEN_BYTES && Number.isSafeInteger(g.length);
+}
+
+/** The request of the first range that uses table entry `index` of `field` (Local or Remote). */
+function firstRequest(batch: TransferBatch, field: number, index: number): number | undefined {
+  const r = batch.ranges;
+  for (let i = 0; i < batch.count; i++) if (r[i * RANGE_STRIDE + field] === index) return r[i * RANGE_STRIDE + RangeField.Request];
+  return undefined;
+}
+
+/** `e` with `details.request` set (a typed error of the same class), or `e` unchanged. */
+function withRequest(e: unknown, request: number | undefined): unknown {
+  if (!(e instanceof TensorwireError) || request === undefined || e.details['request'] !== undefined) return e;
+  return errorFromCode(e.code, e.message, { cause: e.cause, details: { ...e.details, request } });
 }
 
 const MAX_LINE = 4096;
@@ -254,6 +359,12 @@ class CudaIpcConnection implements TransportConnection {
   readonly #closeListeners: ((error: TensorwireError | undefined) => void)[] = [];
   readonly #retireListeners: (() => void)[] = [];
   readonly #socket: Socket;
+  /** What {@link #hostPlan} derived per batch (null: the batch has CUDA memory). */
+  readonly #plans = new WeakMap<TransferBatch, HostPlan | null>();
+  /** Per decoded remote: its grant and data segment on this connection. */
+  readonly #resolved = new WeakMap<RemoteGrant, ResolvedRemote>();
+  /** When the peer's pid was last confirmed to be the same process (Date.now()). */
+  #aliveCheckedAt = 0;
   #retiring = false;
   #inflight = 0;
   #idle: (() => void)[] = [];
@@ -315,44 +426,358 @@ class CudaIpcConnection implements TransportConnection {
     this.#retireListeners.push(listener);
   }
 
+  /**
+   * The peer closed its transport (its presence segment is no longer live) or exited. The pid
+   * is probed every call (kill 0, about a microsecond); whether it is still the same process
+   * (its start time, a /proc read of about 10 µs) at most every {@link PID_RECHECK_MS}: a
+   * recycled pid needs the peer to have died first, and a dead peer's socket closes this
+   * connection anyway.
+   */
   #peerAlive(): boolean {
-    return native.loadState(this.#presence) === SegmentState.Live && isProcessAlive(this.#peerPid, this.#peerStart);
+    if (native.loadState(this.#presence) !== SegmentState.Live) return false;
+    const now = Date.now();
+    if (now - this.#aliveCheckedAt < PID_RECHECK_MS) return isProcessAlive(this.#peerPid);
+    const alive = isProcessAlive(this.#peerPid, this.#peerStart);
+    if (alive) this.#aliveCheckedAt = now;
+    return alive;
   }
 
-  async execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+  async execute(stream: number, batch: TransferBatch, options: ExecuteOptions): Promise<void> {
     if (this.#closed || this.#retiring) throw new SessionInvalidatedError(`connection to ${this.peer.nodeId} is closed or retiring`, { cause: this.#closeError });
     if (!Number.isInteger(stream) || stream < 0 || stream >= this.streams) throw new InvalidInputError(`stream ${stream} does not exist`);
+    if (LAYOUT_PROBLEM) throw new BackendUnavailableError(LAYOUT_PROBLEM);
     if (!this.#peerAlive()) {
       const err = new ConnectionBrokenError(`peer ${this.peer.nodeId} closed its cuda-ipc transport or exited`);
       void this.close(err);
       throw err;
     }
     this.#inflight++;
-    // The engine names the transfer (shared by its streams and retries); a direct caller's
-    // execute() call is a transfer of its own.
-    const transfer = options.transfer ?? {};
     try {
-      for (const chunk of chunks) {
-        if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
-        try {
-          await this.#run(chunk, transfer);
-        } catch (e) {
-          // A grant that vanished because its owner is closing or died is a broken connection.
-          // A peer that is shutting down closes its connections before it revokes its
-          // grants; give that close a moment to arrive before calling this a rejection.
-          if (e instanceof RemoteRejectedError && e.remoteCode !== 'slot-rewritten' && !this.#closed && this.#peerAlive()) await new Promise((r) => setTimeout(r, 5));
-          if (e instanceof RemoteRejectedError && (this.#closed !== undefined || !this.#peerAlive())) {
-            const err = new ConnectionBrokenError(`peer ${this.peer.nodeId} closed its cuda-ipc transport or exited`, { cause: e });
-            void this.close(err);
-            throw err;
-          }
-          throw e;
+      if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
+      try {
+        const plan = this.#hostPlan(batch);
+        if (plan) this.#copyHost(batch, plan, options);
+        else await this.#executeRanges(batch, options);
+      } catch (e) {
+        // A grant that vanished because its owner is closing or died is a broken connection.
+        // A peer that is shutting down closes its connections before it revokes its
+        // grants; give that close a moment to arrive before calling this a rejection.
+        if (e instanceof RemoteRejectedError && !REQUEST_CODES.has(e.remoteCode ?? '') && !this.#closed && this.#peerAlive()) await new Promise((r) => setTimeout(r, 5));
+        if (e instanceof RemoteRejectedError && (this.#closed !== undefined || !this.#peerAlive())) {
+          const err = new ConnectionBrokenError(`peer ${this.peer.nodeId} closed its cuda-ipc transport or exited`, { cause: e });
+          void this.close(err);
+          throw err;
         }
+        throw e;
       }
     } finally {
       this.#inflight--;
       if (this.#inflight === 0) for (const f of this.#idle.splice(0)) f();
     }
+  }
+
+  /**
+   * The tables {@link native.copyBatch} takes for `batch`, or null when CUDA memory is on
+   * either side (then {@link #executeRanges} runs it). Derived once per batch: the engine posts
+   * the same batch object again on retries and prepared transfers, and nothing here can change
+   * between posts (the grant's revocation, which can, is checked by the addon on every post).
+   */
+  #hostPlan(batch: TransferBatch): HostPlan | null {
+    const cached = this.#plans.get(batch);
+    if (cached !== undefined) return cached;
+    const op = batch.op;
+    if (op !== 'read' && op !== 'write') throw new InvalidInputError(`batch op ${String(op)} is not read or write`, { details: { field: 'op' } });
+    const locals: Uint8Array[] = [];
+    let cuda = false;
+    for (const h of batch.locals) {
+      if (h instanceof HostHandle) locals.push(h.buffer);
+      else if (h instanceof CudaHandle) cuda = true;
+      else throw new InvalidInputError('a local handle of the batch is not a cuda-ipc registration', { details: { field: 'local' } });
+    }
+    const nRemotes = batch.remotes.length;
+    const remotes = new Float64Array(nRemotes * REMOTE_STRIDE);
+    const segments: ArrayBuffer[] = [];
+    const segmentNames: string[] = [];
+    const flags: number[] = [];
+    const grants: ArrayBuffer[] = [];
+    const grantNames: string[] = [];
+    const tokens: Uint8Array[] = [];
+    const segmentIndex = new Map<string, number>();
+    /** Per grant: the table entries made for it, one per distinct token. */
+    const grantIndex = new Map<GrantTarget, number[]>();
+    for (let i = 0; i < nRemotes; i++) {
+      const remote = batch.remotes[i];
+      // Resolved (and checked) even when the batch has CUDA memory: a bad remote fails the same way on both paths.
+      const r = this.#resolve(batch, remote, i);
+      if (r.data === undefined) cuda = true;
+      if (cuda) continue;
+      const name = r.g.dataName as string;
+      let s = segmentIndex.get(name);
+      if (s === undefined) {
+        s = segments.push(r.data as ArrayBuffer) - 1;
+        segmentNames.push(name);
+        flags.push(0);
+        segmentIndex.set(name, s);
+      }
+      if (r.seqlocked) flags[s] = 1;
+      const token = (remote as RemoteGrant).token;
+      // One entry per grant and token (the same grant under a wrong token must still fail).
+      let entries = grantIndex.get(r.g);
+      if (!entries) grantIndex.set(r.g, (entries = []));
+      let k = entries.find((j) => sameBytes(tokens[j] as Uint8Array, token));
+      if (k === undefined) {
+        k = grants.push(r.g.mapping) - 1;
+        grantNames.push((remote as RemoteGrant).grantName);
+        tokens.push(token);
+        entries.push(k);
+      }
+      remotes[i * REMOTE_STRIDE] = s;
+      remotes[i * REMOTE_STRIDE + 1] = k;
+      remotes[i * REMOTE_STRIDE + 2] = r.g.offset;
+      remotes[i * REMOTE_STRIDE + 3] = (remote as RemoteGrant).length;
+    }
+    if (cuda) {
+      this.#plans.set(batch, null);
+      return null;
+    }
+    const tokenBytes = new Uint8Array(tokens.length * TOKEN_BYTES);
+    for (let j = 0; j < tokens.length; j++) tokenBytes.set(tokens[j] as Uint8Array, j * TOKEN_BYTES);
+    const plan: HostPlan = {
+      op: op === 'read' ? 0 : 1,
+      locals,
+      remotes,
+      segments,
+      segmentNames,
+      segmentFlags: Uint8Array.from(flags),
+      seqlocked: flags.includes(1),
+      grants,
+      grantNames,
+      tokens: tokenBytes,
+      generations: new BigUint64Array(segments.length),
+    };
+    this.#plans.set(batch, plan);
+    return plan;
+  }
+
+  /**
+   * A remote of the batch (`index` in `batch.remotes`): decoded by cuda-ipc, its grant opened
+   * and its data segment mapped (once per decoded remote on this connection), and allowed
+   * for `batch.op`.
+   */
+  #resolve(batch: TransferBatch, remote: unknown, index: number): ResolvedRemote {
+    if (!isRemoteGrant(remote)) {
+      throw new InvalidInputError('a remote of the batch was not decoded by the cuda-ipc transport', { details: { field: 'remote', request: firstRequest(batch, RangeField.Remote, index) } });
+    }
+    let r = this.#resolved.get(remote);
+    if (!r) {
+      let g: GrantTarget;
+      try {
+        g = this.#grant(remote);
+      } catch (e) {
+        throw withRequest(e, firstRequest(batch, RangeField.Remote, index));
+      }
+      r = { g, data: g.target === 'host' ? this.#dataMapping(g, batch, index) : undefined, seqlocked: (g.flags & FLAG_SEQLOCKED) !== 0 };
+      this.#resolved.set(remote, r);
+    }
+    if (batch.op === 'write' && r.seqlocked) {
+      // A plain copy into a pool slot would bypass its seqlock: readers would see changed
+      // bytes while isConsistent() stayed true. Only the slot's owner writes it.
+      throw new RemoteRejectedError(`grant ${remote.grantName} is a pool slot: peers may read it, only its owner writes it (pool.write)`, {
+        details: { remoteCode: 'read-only', request: firstRequest(batch, RangeField.Remote, index) },
+      });
+    }
+    return r;
+  }
+
+  /** Host memory on both sides: the whole batch in one native call. */
+  #copyHost(batch: TransferBatch, plan: HostPlan, options: ExecuteOptions): void {
+    try {
+      native.copyBatch(
+        plan.op,
+        batch.ranges,
+        batch.count,
+        RANGE_STRIDE,
+        plan.locals,
+        plan.remotes,
+        plan.segments,
+        plan.segmentFlags,
+        plan.grants,
+        plan.tokens,
+        options.deadline,
+        SLOT_ATTEMPTS,
+        plan.generations,
+      );
+    } catch (e) {
+      throw this.#batchError(e, batch, plan);
+    }
+    if (plan.seqlocked) {
+      for (let s = 0; s < plan.segments.length; s++) {
+        if (plan.segmentFlags[s] === 1) this.#sameGeneration(options.transfer, batch, plan.segmentNames[s] as string, plan.generations[s] as bigint);
+      }
+    }
+  }
+
+  /** The addon's error, with the caller's request index and the grant or segment by name. */
+  #batchError(e: unknown, batch: TransferBatch, plan: HostPlan): unknown {
+    if (!(e instanceof TensorwireError)) return e;
+    const d = e.details;
+    const details: Record<string, unknown> = { ...d };
+    let message = e.message;
+    if (typeof d['range'] === 'number') details['request'] = batch.ranges[(d['range'] as number) * RANGE_STRIDE + RangeField.Request];
+    if (typeof d['grant'] === 'number') {
+      const name = plan.grantNames[d['grant'] as number];
+      details['grant'] = name;
+      message = message.replace(/^grant \d+/, `grant ${name}`);
+    }
+    if (typeof d['segment'] === 'number') details['segment'] = plan.segmentNames[d['segment'] as number];
+    return errorFromCode(e.code, message, { cause: e.cause ?? e, details });
+  }
+
+  /**
+   * Per engine transfer (`ExecuteOptions.transfer`) and pool slot: the generation each batch of
+   * the transfer last copied the slot at. A batch copies all of a slot's ranges as one snapshot
+   * (natively, under one seqlock read); a transfer split over several streams is several batches,
+   * and its bytes of one slot are one snapshot only if all its batches copied the slot at one
+   * generation. A batch posted again (the engine retrying it) replaces its earlier copy.
+   */
+  readonly #generations = new WeakMap<object, Map<string, SlotCopy>>();
+
+  /** Throws when the transfer now holds copies of the slot made at different generations. */
+  #sameGeneration(transfer: object | undefined, batch: TransferBatch, segment: string, generation: bigint): void {
+    // A direct caller's execute() call is a transfer of its own, and one batch is one snapshot.
+    if (transfer === undefined) return;
+    let bySegment = this.#generations.get(transfer);
+    if (!bySegment) this.#generations.set(transfer, (bySegment = new Map()));
+    let head = bySegment.get(segment);
+    let c = head;
+    while (c && c.batch !== batch) c = c.next;
+    if (c) c.generation = generation;
+    else bySegment.set(segment, (head = { batch, generation, next: head }));
+    for (c = head; c; c = c.next) {
+      if (c.generation !== generation) {
+        throw new RemoteRejectedError(
+          `the pool slot was rewritten while this transfer read it in parts (generations ${c.generation} and ${generation}): the bytes would mix two versions; read again`,
+          { details: { remoteCode: 'slot-rewritten' } },
+        );
+      }
+    }
+  }
+
+  /**
+   * A batch with CUDA memory on either side: every range is checked first, each grant entered
+   * once, then one driver copy (or host copy) per range, in order.
+   */
+  async #executeRanges(batch: TransferBatch, options: ExecuteOptions): Promise<void> {
+    const { op, ranges, count } = batch;
+    const resolved = batch.remotes.map((r, i) => this.#resolve(batch, r, i));
+    const targets = resolved.map((r) => r.g);
+    const bases: (ArrayBuffer | bigint)[] = [];
+    for (let i = 0; i < resolved.length; i++) {
+      const r = resolved[i] as ResolvedRemote;
+      bases.push(r.data ?? (await this.#importBase((batch.remotes[i] as RemoteGrant).grantName, r.g)));
+    }
+    for (let i = 0; i < count; i++) {
+      const at = i * RANGE_STRIDE;
+      const request = ranges[at + RangeField.Request] as number;
+      const li = ranges[at + RangeField.Local] as number;
+      const ri = ranges[at + RangeField.Remote] as number;
+      const localOffset = ranges[at + RangeField.LocalOffset] as number;
+      const remoteOffset = ranges[at + RangeField.RemoteOffset] as number;
+      const length = ranges[at + RangeField.Length] as number;
+      if (ranges[at + RangeField.RemoteRange] !== 0) throw new InvalidInputError(`range ${i}: remote range ${ranges[at + RangeField.RemoteRange]} does not exist (a cuda-ipc grant is one range)`, { details: { request } });
+      const local = batch.locals[li];
+      if (!(local instanceof HostHandle || local instanceof CudaHandle)) throw new InvalidInputError(`range ${i}: local ${li} is not a cuda-ipc registration`, { details: { request } });
+      const remote = batch.remotes[ri] as RemoteGrant | undefined;
+      const g = targets[ri];
+      if (!remote || !g) throw new InvalidInputError(`range ${i}: remote ${ri} is not in the batch`, { details: { request } });
+      const localLength = local instanceof HostHandle ? local.buffer.byteLength : local.byteLength;
+      if (![localOffset, remoteOffset, length].every(Number.isSafeInteger) || localOffset < 0 || length <= 0 || localOffset + length > localLength) {
+        throw new InvalidInputError(`range ${i}: local bytes ${localOffset}+${length} are out of bounds`, { details: { request } });
+      }
+      if (remoteOffset < 0 || remoteOffset + length > remote.length || remoteOffset + length > g.length) {
+        throw new RemoteRejectedError(`range ${i}: remote bytes ${remoteOffset}+${length} exceed the grant of ${g.length} bytes`, { details: { remoteCode: 'bounds', request } });
+      }
+    }
+    // Each distinct grant once (the same grant through two decoded remotes is entered twice,
+    // harmlessly: the counter is a count).
+    const entered: GrantTarget[] = [];
+    try {
+      for (let i = 0; i < targets.length; i++) {
+        const g = targets[i] as GrantTarget;
+        const remote = batch.remotes[i] as RemoteGrant;
+        const r = native.grantEnter(g.mapping, remote.token);
+        if (r !== GrantResult.Ok) {
+          const why = r === GrantResult.Revoked ? 'was revoked' : r === GrantResult.BadToken ? 'rejected the token' : 'is not a grant';
+          throw new RemoteRejectedError(`grant ${remote.grantName} ${why}`, { details: { remoteCode: r === GrantResult.Revoked ? 'revoked' : r === GrantResult.BadToken ? 'bad-token' : 'bad-grant' } });
+        }
+        entered.push(g);
+      }
+      const generations = new Map<string, bigint>();
+      for (let i = 0; i < count; i++) {
+        if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
+        const at = i * RANGE_STRIDE;
+        const ri = ranges[at + RangeField.Remote] as number;
+        const g = targets[ri] as GrantTarget;
+        const generation = await this.#copyRange(
+          op,
+          batch.locals[ranges[at + RangeField.Local] as number] as HostHandle | CudaHandle,
+          ranges[at + RangeField.LocalOffset] as number,
+          g,
+          bases[ri] as ArrayBuffer | bigint,
+          ranges[at + RangeField.RemoteOffset] as number,
+          ranges[at + RangeField.Length] as number,
+        );
+        if (generation !== undefined) {
+          const name = g.dataName as string;
+          const seen = generations.get(name);
+          if (seen !== undefined && seen !== generation) {
+            throw new RemoteRejectedError(`the pool slot was rewritten while this batch read it (generations ${seen} and ${generation}): read again`, { details: { remoteCode: 'slot-rewritten' } });
+          }
+          generations.set(name, generation);
+        }
+      }
+      for (const [name, generation] of generations) this.#sameGeneration(options.transfer, batch, name, generation);
+    } finally {
+      for (const g of entered) native.grantLeave(g.mapping);
+    }
+  }
+
+  /** One range of {@link #executeRanges}; returns the slot generation when it read a pool slot. */
+  async #copyRange(op: 'read' | 'write', local: HostHandle | CudaHandle, localOffset: number, g: GrantTarget, base: ArrayBuffer | bigint, remoteOffset: number, length: number): Promise<bigint | undefined> {
+    if (base instanceof ArrayBuffer) {
+      const at = g.offset + remoteOffset;
+      if (op === 'read' && (g.flags & FLAG_SEQLOCKED) !== 0) {
+        // A pool slot: copy under its seqlock (invariant 11); through a staging buffer when
+        // the local side is device memory.
+        const staging = local instanceof HostHandle ? local.buffer.subarray(localOffset, localOffset + length) : new Uint8Array(length);
+        const generation = native.seqCopyRange(base, at, length, staging);
+        if (local instanceof CudaHandle) await native.cudaCopy('h2d', local.device, local.pointer + BigInt(localOffset), staging, length);
+        return generation;
+      }
+      // Shared memory without a seqlock (allocateSharedMemory): plain copies.
+      const remoteView = new Uint8Array(base, at, length);
+      if (local instanceof HostHandle) {
+        const localView = local.buffer.subarray(localOffset, localOffset + length);
+        if (op === 'read') localView.set(remoteView);
+        else remoteView.set(localView);
+      } else {
+        const ptr = local.pointer + BigInt(localOffset);
+        if (op === 'read') await native.cudaCopy('h2d', local.device, ptr, remoteView, length);
+        else await native.cudaCopy('d2h', local.device, remoteView, ptr, length);
+      }
+      return undefined;
+    }
+    const rptr = base + BigInt(g.offset + remoteOffset);
+    if (local instanceof HostHandle) {
+      const localView = local.buffer.subarray(localOffset, localOffset + length);
+      if (op === 'read') await native.cudaCopy('d2h', g.device, localView, rptr, length);
+      else await native.cudaCopy('h2d', g.device, rptr, localView, length);
+    } else {
+      const lptr = local.pointer + BigInt(localOffset);
+      if (op === 'read') await native.cudaCopy('d2d', local.device, lptr, rptr, length);
+      else await native.cudaCopy('d2d', local.device, rptr, lptr, length);
+    }
+    return undefined;
   }
 
   #grant(remote: RemoteGrant): GrantTarget {
@@ -391,20 +816,23 @@ class CudaIpcConnection implements TransportConnection {
     return t;
   }
 
-  #dataMapping(g: GrantTarget): ArrayBuffer {
+  /** The data segment of a host grant, mapped once per connection; `index` is the batch's remote. */
+  #dataMapping(g: GrantTarget, batch: TransferBatch, index: number): ArrayBuffer {
     const name = g.dataName as string;
     let m = this.#data.get(name);
     if (!m) {
       try {
         m = native.shmOpen(name, MAX_SEGMENT_BYTES);
       } catch (e) {
-        throw new RemoteRejectedError(`granted segment ${name} is gone`, { cause: e, details: { remoteCode: 'gone' } });
+        throw new RemoteRejectedError(`granted segment ${name} is gone`, { cause: e, details: { remoteCode: 'gone', request: firstRequest(batch, RangeField.Remote, index) } });
       }
       this.#data.set(name, m);
     }
     // Sizes from fstat (the mapping length), never from the grant alone.
     if (g.offset + g.length > m.byteLength) {
-      throw new RemoteRejectedError(`grant range ${g.offset}+${g.length} exceeds segment ${name} (${m.byteLength} bytes)`, { details: { remoteCode: 'bounds' } });
+      throw new RemoteRejectedError(`grant range ${g.offset}+${g.length} exceeds segment ${name} (${m.byteLength} bytes)`, {
+        details: { remoteCode: 'bounds', request: firstRequest(batch, RangeField.Remote, index) },
+      });
     }
     return m;
   }
@@ -424,95 +852,6 @@ class CudaIpcConnection implements TransportConnection {
     // close() waits for chunks in flight and then closes every import in the map, this one included.
     if (this.#closed) throw new SessionInvalidatedError('connection closed during import');
     return base;
-  }
-
-  /**
-   * Per transfer and per grant: the pool-slot generation each byte range was last copied at.
-   * Every chunk copies under the seqlock on its own, so the transfer's bytes of one slot are
-   * one snapshot only if all its ranges were copied at one generation. A range copied again
-   * (the engine retrying chunks) replaces its earlier copy.
-   */
-  readonly #generations = new WeakMap<object, Map<string, Map<string, bigint>>>();
-
-  async #run(chunk: TransferChunk, transfer: object): Promise<void> {
-    const remote = chunk.remote as RemoteGrant;
-    const local = chunk.local;
-    if (!(local instanceof HostHandle || local instanceof CudaHandle)) throw new InvalidInputError('local handle is not a cuda-ipc registration');
-    const { localOffset, remoteOffset, length } = chunk;
-    const localLength = local instanceof HostHandle ? local.buffer.byteLength : local.byteLength;
-    if (localOffset < 0 || length <= 0 || localOffset + length > localLength) throw new InvalidInputError(`local range ${localOffset}+${length} is out of bounds`);
-    const g = this.#grant(remote);
-    if (remoteOffset < 0 || remoteOffset + length > remote.length || remoteOffset + length > g.length) {
-      throw new RemoteRejectedError(`remote range ${remoteOffset}+${length} exceeds the grant of ${g.length} bytes`, { details: { remoteCode: 'bounds' } });
-    }
-    if (chunk.op === 'write' && (g.flags & FLAG_SEQLOCKED) !== 0) {
-      // A plain copy into a pool slot would bypass its seqlock: readers would see changed
-      // bytes while isConsistent() stayed true. Only the slot's owner writes it.
-      throw new RemoteRejectedError(`grant ${remote.grantName} is a pool slot: peers may read it, only its owner writes it (pool.write)`, {
-        details: { remoteCode: 'read-only' },
-      });
-    }
-    const base = g.target === 'host' ? this.#dataMapping(g) : undefined;
-    const importBase = g.target === 'cuda' ? await this.#importBase(remote.grantName, g) : undefined;
-    const entered = native.grantEnter(g.mapping, remote.token);
-    if (entered !== GrantResult.Ok) {
-      const why = entered === GrantResult.Revoked ? 'was revoked' : entered === GrantResult.BadToken ? 'rejected the token' : 'is not a grant';
-      throw new RemoteRejectedError(`grant ${remote.grantName} ${why}`, { details: { remoteCode: entered === GrantResult.Revoked ? 'revoked' : 'bad-token' } });
-    }
-    try {
-      if (base && chunk.op === 'read' && (g.flags & FLAG_SEQLOCKED) !== 0) {
-        // A pool slot: its owner writes it under the slot's seqlock, so a plain copy could
-        // catch a write half done. Copy under the seqlock (invariant 11); into a staging
-        // buffer first when the local side is device memory.
-        const at = g.offset + remoteOffset;
-        const staging = local instanceof HostHandle ? undefined : new Uint8Array(length);
-        const generation = native.seqCopyRange(base, at, length, staging ?? (local as HostHandle).buffer.subarray(localOffset, localOffset + length));
-        this.#sameGeneration(transfer, remote.grantName, `${remoteOffset}+${length}`, generation);
-        if (staging) await native.cudaCopy('h2d', (local as CudaHandle).device, (local as CudaHandle).pointer + BigInt(localOffset), staging, length);
-      } else if (base) {
-        // Shared memory without a seqlock (allocateSharedMemory): plain copies.
-        const remoteView = new Uint8Array(base, g.offset + remoteOffset, length);
-        if (local instanceof HostHandle) {
-          const localView = local.buffer.subarray(localOffset, localOffset + length);
-          if (chunk.op === 'read') localView.set(remoteView);
-          else remoteView.set(localView);
-        } else {
-          const ptr = local.pointer + BigInt(localOffset);
-          if (chunk.op === 'read') await native.cudaCopy('h2d', local.device, ptr, remoteView, length);
-          else await native.cudaCopy('d2h', local.device, remoteView, ptr, length);
-        }
-      } else {
-        const rptr = (importBase as bigint) + BigInt(g.offset + remoteOffset);
-        if (local instanceof HostHandle) {
-          const localView = local.buffer.subarray(localOffset, localOffset + length);
-          if (chunk.op === 'read') await native.cudaCopy('d2h', g.device, localView, rptr, length);
-          else await native.cudaCopy('h2d', g.device, rptr, localView, length);
-        } else {
-          const lptr = local.pointer + BigInt(localOffset);
-          if (chunk.op === 'read') await native.cudaCopy('d2d', local.device, lptr, rptr, length);
-          else await native.cudaCopy('d2d', local.device, rptr, lptr, length);
-        }
-      }
-    } finally {
-      native.grantLeave(g.mapping);
-    }
-  }
-
-  /** Throws when this transfer holds ranges of the slot copied at different generations. */
-  #sameGeneration(transfer: object, grant: string, range: string, generation: bigint): void {
-    let byGrant = this.#generations.get(transfer);
-    if (!byGrant) this.#generations.set(transfer, (byGrant = new Map()));
-    let ranges = byGrant.get(grant);
-    if (!ranges) byGrant.set(grant, (ranges = new Map()));
-    ranges.set(range, generation);
-    for (const other of ranges.values()) {
-      if (other !== generation) {
-        throw new RemoteRejectedError(
-          `the pool slot was rewritten while this transfer read it in parts (generations ${other} and ${generation}): the bytes would mix two versions; read again`,
-          { details: { remoteCode: 'slot-rewritten' } },
-        );
-      }
-    }
   }
 
   async retire(): Promise<void> {
@@ -806,8 +1145,22 @@ export class CudaIpcTransport implements Transport {
     return grant.revoked;
   }
 
-  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
-    return decodePayload(payload, memoryKind, byteLength);
+  /**
+   * Decoded payloads by payload object, with a copy of the bytes they were decoded from: the
+   * engine hands the same payload of a descriptor it decoded once on every transfer, and a
+   * payload whose bytes changed is decoded again.
+   */
+  readonly #decoded = new WeakMap<Uint8Array, { readonly bytes: Uint8Array; readonly kind: MemoryKind; readonly length: number; readonly remote: RemoteGrant }>();
+
+  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths?: Float64Array): unknown {
+    if (rangeLengths !== undefined) {
+      throw new InvalidInputError('cuda-ipc grants whole registrations: a descriptor with granted ranges is not one of its payloads', { details: { field: 'rangeLengths' } });
+    }
+    const c = payload instanceof Uint8Array ? this.#decoded.get(payload) : undefined;
+    if (c && c.kind === memoryKind && c.length === byteLength && sameBytes(c.bytes, payload)) return c.remote;
+    const remote = decodePayload(payload, memoryKind, byteLength);
+    this.#decoded.set(payload, { bytes: payload.slice(), kind: memoryKind, length: byteLength, remote });
+    return remote;
   }
 
   async connect(peer: NodeIdentity, endpoint: Uint8Array, options: ConnectOptions): Promise<TransportConnection> {

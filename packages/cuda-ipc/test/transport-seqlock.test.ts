@@ -7,7 +7,7 @@
 import { fork } from 'node:child_process';
 import { once } from 'node:events';
 import { afterAll, describe, expect, it } from 'vitest';
-import { InvalidInputError, RemoteRejectedError, TimedOutError, TransferEngine, defaultHostId, silentLogger, type TransportHost } from '@tensorwire/core';
+import { InvalidInputError, RemoteRejectedError, TimedOutError, TransferEngine, createTransferBatch, defaultHostId, silentLogger, type TransferBatch, type TransportHost } from '@tensorwire/core';
 import { CudaIpcTransport, TensorPool, allocateSharedMemory } from '../src/index.js';
 import { native } from '../src/native.js';
 import { fixture, killChildren, uniqueOwner } from './helpers.js';
@@ -24,14 +24,15 @@ function uniform(a: Uint32Array): boolean {
 
 describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
   it.each([
-    ['in one chunk', undefined],
-    ['in 64 KiB chunks over 2 streams (every chunk of a read must see one generation)', 64 * 1024],
-  ])('never returns a torn copy while the owner process writes the slot, %s', async (_label, chunkBytes) => {
+    ['in one chunk', undefined, false],
+    ['in 64 KiB chunks over 2 streams (every chunk of a read must see one generation)', 64 * 1024, false],
+    ['as 64 scattered 4 KiB requests, one batch per stream (every range of a batch, and every batch, must see one generation)', undefined, true],
+  ])('never returns a torn copy while the owner process writes the slot, %s', async (_label, chunkBytes, scattered) => {
     const elems = 64 * 1024; // 256 KiB: a copy takes long enough to overlap writes often
     const holderNode = `sh${process.pid}`;
     // Chunked reads are made of several copies: against a writer that never pauses almost every
     // one is refused, so there the writer rests 1 ms between writes and some reads get through.
-    const pauseMs = chunkBytes === undefined ? 0 : 1;
+    const pauseMs = chunkBytes === undefined && !scattered ? 0 : 1;
     const holder = fork(fixture('slot-holder.mjs'), [uniqueOwner('sh'), String(elems), holderNode, String(pauseMs)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
     const [ready] = (await once(holder, 'message')) as [{ endpoint: string; descriptor: string }];
     const endpoint = new Uint8Array(Buffer.from(ready.endpoint, 'base64'));
@@ -40,7 +41,7 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
     const engines = [0, 1].map(
       (i) =>
         new TransferEngine({
-          nodeId: `sr${i}${chunkBytes ?? 0}${process.pid}`,
+          nodeId: `sr${i}${chunkBytes ?? 0}${scattered ? 's' : ''}${process.pid}`,
           transports: [new CudaIpcTransport()],
           logger: silentLogger,
           metrics: false,
@@ -56,18 +57,24 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
       // Bytes [4 + 4·1000, +elems·2 - 8) of the slot into part at offset 4: an unaligned-to-the-page range.
       const partLen = elems * 2 - 8;
       const partView = new Uint32Array((part.memory as { buffer: Uint8Array }).buffer.buffer, 4, partLen / 4);
+      // Scattered: local block i <- slot block 63 - i, so no two requests merge; the engine puts
+      // them into one batch per stream (two streams), and the transport copies each batch's ranges
+      // of the slot under one seqlock read.
+      const block = (elems * 4) / 64;
+      const scatter = Array.from({ length: 64 }, (_, i) => ({ local: whole, localOffset: i * block, remote: descriptor, remoteOffset: (63 - i) * block, length: block }));
       let ok = 0;
       let timedOut = 0;
       let rewritten = 0;
       let torn = 0;
       const seen = new Set<number>();
       for (let i = 0; i < 2000; i++) {
-        for (const [e, req, view] of [
-          [ea, { local: whole, remote: descriptor }, wholeView],
-          [eb, { local: part, localOffset: 4, remote: descriptor, remoteOffset: 4 + 4 * 1000, length: partLen }, partView],
+        for (const [e, reqs, view] of [
+          [ea, scattered ? scatter : [{ local: whole, remote: descriptor }], wholeView],
+          [eb, [{ local: part, localOffset: 4, remote: descriptor, remoteOffset: 4 + 4 * 1000, length: partLen }], partView],
         ] as const) {
           try {
-            const report = await e.read(endpoint, [req]);
+            const report = await e.read(endpoint, reqs);
+            if (scattered && e === ea) expect(report.ranges).toBe(64);
             expect(report.transport).toBe('cuda-ipc');
           } catch (err) {
             if (err instanceof TimedOutError) {
@@ -75,7 +82,7 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
               continue;
             }
             // A read split into chunks that saw two generations is refused, never returned.
-            if (chunkBytes !== undefined && err instanceof RemoteRejectedError && err.remoteCode === 'slot-rewritten') {
+            if ((chunkBytes !== undefined || scattered) && err instanceof RemoteRejectedError && err.remoteCode === 'slot-rewritten') {
               rewritten++;
               continue;
             }
@@ -91,19 +98,19 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
       await once(holder, 'exit');
       expect(torn, `torn reads (${ok} successful, ${timedOut} timed out, ${rewritten} refused as rewritten, ${writes} writes)`).toBe(0);
       expect(ok + timedOut + rewritten).toBe(4000);
-      if (chunkBytes === undefined) expect(ok).toBeGreaterThan(3000);
-      else expect(ok).toBeGreaterThan(100); // chunked reads did succeed, and were checked
+      if (chunkBytes === undefined && !scattered) expect(ok).toBeGreaterThan(3000);
+      else expect(ok).toBeGreaterThan(100); // chunked and scattered reads did succeed, and were checked
       // The reads really overlapped many different writes (otherwise the test proves nothing).
       expect(writes).toBeGreaterThan(100);
       if (chunkBytes === undefined) expect(seen.size).toBeGreaterThan(10);
-      console.info(`transport seqlock ${chunkBytes ?? 'whole'}: ${ok} reads, ${timedOut} timed out, ${rewritten} refused as rewritten, ${seen.size} values seen, ${writes} writes`);
+      console.info(`transport seqlock ${scattered ? 'scattered' : (chunkBytes ?? 'whole')}: ${ok} reads, ${timedOut} timed out, ${rewritten} refused as rewritten, ${seen.size} values seen, ${writes} writes`);
     } finally {
       holder.kill('SIGKILL');
       await Promise.all(engines.map((e) => e.close()));
     }
   });
 
-  it('a transfer whose parts of a slot were copied at two generations is refused; retries, new transfers and direct calls are not', async () => {
+  it('a transfer whose batches copied a slot at two generations is refused; re-posted batches, new transfers and direct calls are not', async () => {
     const pool = new TensorPool({ owner: uniqueOwner('sg') });
     const hosts: TransportHost[] = ['ga', 'gb'].map((n) => ({ identity: { nodeId: `${n}${process.pid}`, incarnation: `i${n}`, hostId: defaultHostId() }, logger: silentLogger, inbound: () => undefined }));
     const [ta, tb] = [new CudaIpcTransport(), new CudaIpcTransport()];
@@ -119,51 +126,52 @@ describe('cuda-ipc transport reads of a pool slot (invariant 11)', () => {
       const remote = ta.decodeRemote(reg.payload, 'host', 8192);
       const deadline = Date.now() + 10_000;
       const conn = await ta.connect((hosts[1] as TransportHost).identity, tb.endpoint(), { signal: new AbortController().signal, deadline, streams: 2 });
-      const half = (at: number): { op: 'read'; local: object; localOffset: number; remote: unknown; remoteOffset: number; length: number } => ({
-        op: 'read',
-        local: local.handle,
-        localOffset: at,
-        remote,
-        remoteOffset: at,
-        length: 4096,
-      });
+      const half = (at: number, r: unknown = remote): TransferBatch => createTransferBatch('read', [{ local: local.handle, localOffset: at, remote: r, remoteOffset: at, length: 4096 }]);
       const signal = new AbortController().signal; // one signal for everything: it does not name transfers
       const rejection = (p: Promise<void>): Promise<unknown> =>
         p.then(
           () => undefined,
           (e: unknown) => e,
         );
-      // One engine transfer (one ExecuteOptions.transfer): first half, the owner rewrites the
-      // slot, second half. The halves would mix two versions: refused.
+      // One engine transfer (one ExecuteOptions.transfer) of two batches (two streams): first
+      // half, the owner rewrites the slot, second half. The halves would mix two versions: refused.
       const one = {};
-      await conn.execute(0, [half(0)], { signal, deadline, transfer: one });
+      await conn.execute(0, half(0), { signal, deadline, transfer: one });
       pool.writeSync(id, new Uint8Array(8192).fill(2));
-      const err = await rejection(conn.execute(1, [half(4096)], { signal, deadline, transfer: one }));
+      const err = await rejection(conn.execute(1, half(4096), { signal, deadline, transfer: one }));
       expect(err).toBeInstanceOf(RemoteRejectedError);
       expect((err as RemoteRejectedError).remoteCode).toBe('slot-rewritten');
-      // The same grant reached through another decoded descriptor (a second request of the same
-      // transfer) is the same slot.
+      // The same slot reached through a grant of its own (a second registration of the same
+      // view, another descriptor) is the same slot.
       const two = {};
-      await conn.execute(0, [half(0)], { signal, deadline, transfer: two });
+      const reg2 = await tb.register({ kind: 'host', buffer: view.buffer as Uint8Array });
+      const other = ta.decodeRemote(reg2.payload, 'host', 8192);
+      await conn.execute(0, half(0), { signal, deadline, transfer: two });
       pool.writeSync(id, new Uint8Array(8192).fill(3));
-      const other = ta.decodeRemote(reg.payload, 'host', 8192);
-      const err2 = await rejection(conn.execute(1, [{ ...half(4096), remote: other }], { signal, deadline, transfer: two }));
+      const err2 = await rejection(conn.execute(1, half(4096, other), { signal, deadline, transfer: two }));
       expect((err2 as RemoteRejectedError).remoteCode).toBe('slot-rewritten');
-      // A range copied again (the engine retrying it) replaces its earlier copy.
+      // A batch posted again (the engine retrying it) replaces its earlier copy.
       const three = {};
-      await conn.execute(0, [half(0)], { signal, deadline, transfer: three });
+      const first = half(0);
+      await conn.execute(0, first, { signal, deadline, transfer: three });
       pool.writeSync(id, new Uint8Array(8192).fill(4));
-      await conn.execute(0, [half(0)], { signal, deadline, transfer: three });
-      await conn.execute(1, [half(4096)], { signal, deadline, transfer: three });
+      await conn.execute(0, first, { signal, deadline, transfer: three });
+      await conn.execute(1, half(4096), { signal, deadline, transfer: three });
       expect(dst.every((x) => x === 4)).toBe(true);
       // Without a transfer object (a direct caller), each execute() call stands alone: the same
-      // signal and decoded remote keep working across rewrites.
-      await conn.execute(0, [half(0)], { signal, deadline });
+      // signal, batch and decoded remote keep working across rewrites, and one batch of both
+      // halves (two ranges of one slot) is one snapshot.
+      await conn.execute(0, first, { signal, deadline });
       pool.writeSync(id, new Uint8Array(8192).fill(5));
-      await conn.execute(0, [half(0), half(4096)], { signal, deadline });
+      const both = createTransferBatch('read', [
+        { local: local.handle, localOffset: 4096, remote, remoteOffset: 4096, length: 4096 },
+        { local: local.handle, localOffset: 0, remote: other, remoteOffset: 0, length: 4096 },
+      ]);
+      await conn.execute(0, both, { signal, deadline });
       expect(dst.every((x) => x === 5)).toBe(true);
       await conn.close();
       await tb.revoke(reg.handle);
+      await tb.revoke(reg2.handle);
       view.dispose();
     } finally {
       await Promise.all([ta.close(), tb.close()]);
