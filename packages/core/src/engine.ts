@@ -412,6 +412,14 @@ interface Split {
   readonly chunks: number;
 }
 
+const EMPTY_LENGTHS = new Float64Array(0);
+/** A group array of zeros (one destination region), shared and grown as needed. */
+let zeroGroups = new Uint32Array(1024);
+function ZERO_GROUPS(n: number): Uint32Array {
+  if (zeroGroups.length < n) zeroGroups = new Uint32Array(Math.max(n, zeroGroups.length * 2));
+  return zeroGroups;
+}
+
 /** Check a request's numeric field fast: a safe integer >= min. */
 function requestInt(value: unknown, i: number, field: string, min: number): number {
   if (typeof value === 'number' && Number.isSafeInteger(value) && value >= min) return value;
@@ -1075,20 +1083,25 @@ export class TransferEngine {
       throw new InvalidInputError('a transfer needs at least one request', { details: { field: 'requests' } });
     }
     const n = requests.length;
-    // Pass 1: distinct local registrations and remote descriptors, by identity (usually a few
-    // per batch however many requests there are).
-    const localOf = new Uint32Array(n);
-    const remoteOf = new Uint32Array(n);
+    // One pass over the requests: distinct local registrations and remote descriptors by
+    // identity (usually a few per batch, however many requests), numbers and bounds, merged
+    // with the previous request where contiguous. No object per request.
     const localRegs: Registration[] = [];
     const localFirst: number[] = [];
     const localIndex = new Map<Registration, number>();
     const descs: MemoryDescriptor[] = [];
     const remoteFirst: number[] = [];
     const remoteIndex = new Map<unknown, number>();
+    const remoteLens: Float64Array[] = [];
     let lastLocal: unknown;
-    let lastLocalAt = 0;
+    let li = 0;
+    let localLength = 0;
     let lastRemote: unknown;
-    let lastRemoteAt = 0;
+    let ri = 0;
+    let lens: Float64Array = EMPTY_LENGTHS;
+    const ranges = new Float64Array(n * RANGE_STRIDE);
+    let count = 0;
+    let bytes = 0;
     for (let i = 0; i < n; i++) {
       const r = requests[i];
       if (typeof r !== 'object' || r === null) throw new InvalidInputError(`requests[${i}] must be an object`, { details: { field: 'requests', request: i } });
@@ -1102,9 +1115,9 @@ export class TransferEngine {
           localIndex.set(local, at);
         }
         lastLocal = local;
-        lastLocalAt = at;
+        li = at;
+        localLength = (localRegs[at] as Registration).byteLength;
       }
-      localOf[i] = lastLocalAt;
       const remote = r.remote;
       if (remote !== lastRemote) {
         let at = remoteIndex.get(remote);
@@ -1121,11 +1134,36 @@ export class TransferEngine {
           at = descs.push(d) - 1;
           remoteFirst.push(i);
           remoteIndex.set(remote, at);
+          remoteLens.push(d.rangeLengths ?? Float64Array.of(d.byteLength));
         }
         lastRemote = remote;
-        lastRemoteAt = at;
+        ri = at;
+        lens = remoteLens[at] as Float64Array;
       }
-      remoteOf[i] = lastRemoteAt;
+      const lo = r.localOffset;
+      const localOffset = lo === undefined ? 0 : typeof lo === 'number' && Number.isSafeInteger(lo) && lo >= 0 ? lo : requestInt(lo, i, 'localOffset', 0);
+      const ro = r.remoteOffset;
+      const remoteOffset = ro === undefined ? 0 : typeof ro === 'number' && Number.isSafeInteger(ro) && ro >= 0 ? ro : requestInt(ro, i, 'remoteOffset', 0);
+      const ln = r.length;
+      const length = ln === undefined ? requestInt(localLength - localOffset, i, 'length', 1) : typeof ln === 'number' && Number.isSafeInteger(ln) && ln >= 1 ? ln : requestInt(ln, i, 'length', 1);
+      if (localOffset + length > localLength) {
+        throw new InvalidInputError(`requests[${i}]: local range ${localOffset}+${length} exceeds registration of ${localLength} bytes`, {
+          details: { field: 'localOffset', request: i },
+        });
+      }
+      const rg = r.range;
+      const range = rg === undefined ? 0 : requestInt(rg, i, 'range', 0);
+      if (range >= lens.length) {
+        throw new InvalidInputError(`requests[${i}]: range ${range} does not exist (the remote has ${lens.length})`, { details: { field: 'range', request: i } });
+      }
+      const rlen = lens[range] as number;
+      if (remoteOffset + length > rlen) {
+        throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds ${lens.length > 1 || range > 0 ? `granted range ${range} of ${rlen}` : `registration of ${rlen}`} bytes`, {
+          details: { field: 'remoteOffset', request: i },
+        });
+      }
+      bytes += length;
+      count = appendMerged(ranges, count, i, li, localOffset, ri, remoteOffset, length, range);
     }
     // The transport for the whole batch, from the memory kinds involved.
     const kinds = new Set<MemoryKind>();
@@ -1139,66 +1177,37 @@ export class TransferEngine {
     const locals: object[] = [];
     for (let k = 0; k < localRegs.length; k++) locals.push(this.#localHandle(t, localRegs[k] as Registration, localFirst[k] as number));
     const remotes: unknown[] = [];
-    // Per remote: its ranges' lengths (a whole registration is one range). Two descriptor
-    // objects may name one registration: overlap checks group by registration id and range.
-    const remoteRanges: Float64Array[] = [];
-    const remoteBase = new Float64Array(descs.length);
-    const baseOf = new Map<string, number>();
-    let groups = 0;
-    for (let k = 0; k < descs.length; k++) {
-      const d = descs[k] as MemoryDescriptor;
-      remotes.push(this.#remoteFor(t, ep, d, remoteFirst[k] as number));
-      const lengths = d.rangeLengths ?? Float64Array.of(d.byteLength);
-      remoteRanges.push(lengths);
-      let base = baseOf.get(d.registrationId);
-      if (base === undefined) {
-        baseOf.set(d.registrationId, (base = groups));
-        groups += lengths.length;
-      }
-      remoteBase[k] = base;
-    }
-    // Pass 2: numbers and bounds per request, merged with the previous one where contiguous.
-    const ranges = new Float64Array(n * RANGE_STRIDE);
-    let count = 0;
-    let bytes = 0;
-    for (let i = 0; i < n; i++) {
-      const r = requests[i] as TransferRequest;
-      const li = localOf[i] as number;
-      const ri = remoteOf[i] as number;
-      const local = localRegs[li] as Registration;
-      const localOffset = r.localOffset === undefined ? 0 : requestInt(r.localOffset, i, 'localOffset', 0);
-      const remoteOffset = r.remoteOffset === undefined ? 0 : requestInt(r.remoteOffset, i, 'remoteOffset', 0);
-      const length = r.length === undefined ? requestInt(local.byteLength - localOffset, i, 'length', 1) : requestInt(r.length, i, 'length', 1);
-      if (localOffset + length > local.byteLength) {
-        throw new InvalidInputError(`requests[${i}]: local range ${localOffset}+${length} exceeds registration of ${local.byteLength} bytes`, {
-          details: { field: 'localOffset', request: i },
-        });
-      }
-      const lengths = remoteRanges[ri] as Float64Array;
-      const range = r.range === undefined ? 0 : requestInt(r.range, i, 'range', 0);
-      if (range >= lengths.length) {
-        throw new InvalidInputError(`requests[${i}]: range ${range} does not exist (the remote has ${lengths.length})`, { details: { field: 'range', request: i } });
-      }
-      const rlen = lengths[range] as number;
-      if (remoteOffset + length > rlen) {
-        throw new InvalidInputError(`requests[${i}]: remote range ${remoteOffset}+${length} exceeds ${lengths.length > 1 || range > 0 ? `granted range ${range} of ${rlen}` : `registration of ${rlen}`} bytes`, {
-          details: { field: 'remoteOffset', request: i },
-        });
-      }
-      bytes += length;
-      count = appendMerged(ranges, count, i, li, localOffset, ri, remoteOffset, length, range);
-    }
+    for (let k = 0; k < descs.length; k++) remotes.push(this.#remoteFor(t, ep, descs[k] as MemoryDescriptor, remoteFirst[k] as number));
     // Destinations must not overlap: the bytes of such a batch would depend on ordering.
-    const groupOf = new Uint32Array(count);
+    // Two descriptor objects may name one registration: group by registration id and range.
+    let overlap: [number, number] | undefined;
     if (op === 'read') {
-      for (let i = 0; i < count; i++) groupOf[i] = ranges[i * RANGE_STRIDE + RangeField.Local] as number;
+      if (localRegs.length === 1) overlap = findOverlap(ranges, count, 'local', ZERO_GROUPS(count), 1);
+      else {
+        const groupOf = new Uint32Array(count);
+        for (let i = 0; i < count; i++) groupOf[i] = ranges[i * RANGE_STRIDE + RangeField.Local] as number;
+        overlap = findOverlap(ranges, count, 'local', groupOf, localRegs.length);
+      }
     } else {
+      const remoteBase = new Float64Array(descs.length);
+      const baseOf = new Map<string, number>();
+      let groups = 0;
+      for (let k = 0; k < descs.length; k++) {
+        const id = (descs[k] as MemoryDescriptor).registrationId;
+        let base = baseOf.get(id);
+        if (base === undefined) {
+          baseOf.set(id, (base = groups));
+          groups += (remoteLens[k] as Float64Array).length;
+        }
+        remoteBase[k] = base;
+      }
+      const groupOf = new Uint32Array(count);
       for (let i = 0; i < count; i++) {
         const at = i * RANGE_STRIDE;
         groupOf[i] = (remoteBase[ranges[at + RangeField.Remote] as number] as number) + (ranges[at + RangeField.RemoteRange] as number);
       }
+      overlap = findOverlap(ranges, count, 'remote', groupOf, groups);
     }
-    const overlap = findOverlap(ranges, count, op === 'read' ? 'local' : 'remote', groupOf, op === 'read' ? localRegs.length : groups);
     if (overlap) {
       const a = ranges[overlap[0] * RANGE_STRIDE + RangeField.Request] as number;
       const b = ranges[overlap[1] * RANGE_STRIDE + RangeField.Request] as number;

@@ -121,8 +121,12 @@ export function chunkCount(ranges: Float64Array, count: number, cap: number): nu
 
 /**
  * Split ranges into chunks of min(remaining, cap) bytes (invariant 8) and deal them to
- * `streams` streams round-robin, starting at stream `first`. Returns one batch per stream
- * (undefined for a stream that gets nothing) sharing the `locals` and `remotes` tables.
+ * `streams` streams, starting at stream `first`. Returns one batch per stream (undefined for
+ * a stream that gets nothing) sharing the `locals` and `remotes` tables.
+ *
+ * When no range exceeds the cap (the common KV-cache case) nothing is copied: each stream
+ * gets a contiguous run of the ranges, cut where the bytes balance, as a view of `ranges`.
+ * Otherwise chunks are dealt round-robin into fresh arrays.
  */
 export function splitIntoBatches(
   op: 'read' | 'write',
@@ -134,6 +138,36 @@ export function splitIntoBatches(
   streams: number,
   first: number,
 ): { batches: (TransferBatch | undefined)[]; chunks: number } {
+  let fits = true;
+  let totalBytes = 0;
+  for (let i = 0; i < count; i++) {
+    const len = ranges[i * S + LEN] as number;
+    totalBytes += len;
+    if (len > cap) fits = false;
+  }
+  if (fits) {
+    const batches: (TransferBatch | undefined)[] = new Array<TransferBatch | undefined>(streams).fill(undefined);
+    const parts = Math.min(streams, count);
+    let start = 0;
+    let acc = 0;
+    for (let j = 0; j < parts; j++) {
+      // Cut after the range where the running byte count reaches this part's share, leaving
+      // at least one range for each later part.
+      const target = (totalBytes * (j + 1)) / parts;
+      let end = start;
+      let bytes = 0;
+      while (end < count - (parts - 1 - j) && (end === start || acc < target || j === parts - 1)) {
+        const len = ranges[end * S + LEN] as number;
+        acc += len;
+        bytes += len;
+        end++;
+        if (acc >= target && j !== parts - 1) break;
+      }
+      batches[(first + j) % streams] = Object.freeze({ op, locals, remotes, count: end - start, ranges: ranges.subarray(start * S, end * S), bytes });
+      start = end;
+    }
+    return { batches, chunks: count };
+  }
   const total = chunkCount(ranges, count, cap);
   const perStream = new Uint32Array(streams);
   for (let k = 0; k < total; k++) {
