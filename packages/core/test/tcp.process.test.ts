@@ -7,6 +7,9 @@ import {
   TensorwireError,
   TcpTransport,
   TransferEngine,
+  createTransferBatch,
+  decodeDescriptor,
+  decodeEndpoint,
   encodeDescriptor,
   encodeEndpoint,
   encodeTcpEndpoint,
@@ -19,10 +22,12 @@ const HOLDER = fileURLToPath(new URL('./fixtures/holder.mjs', import.meta.url));
 const children: ChildProcess[] = [];
 const engines: TransferEngine[] = [];
 const servers: net.Server[] = [];
+const closers: (() => Promise<void>)[] = [];
 
 afterEach(async () => {
   for (const c of children.splice(0)) c.kill('SIGKILL');
   await Promise.allSettled(engines.splice(0).map((e) => e.close()));
+  await Promise.allSettled(closers.splice(0).map((c) => c()));
   for (const s of servers.splice(0)) s.close();
 });
 
@@ -94,9 +99,70 @@ describe('tcp across processes', () => {
     // The dead holder is unreachable: a typed error, not a hang.
     await expect(e.read(h.endpoint, [{ local: regs[0]!, remote: h.descriptor }], { timeoutMs: 10_000 })).rejects.toMatchObject({ code: ErrorCode.ConnectionBroken });
   });
+
+  it('a batched read of thousands of ranges whose holder is SIGKILLed mid-batch fails typed by the deadline, never as partial success', async () => {
+    const size = 64 * 1024 * 1024;
+    const expected = pattern(size, 99);
+    for (const via of ['engine', 'connection'] as const) {
+      const h = await startHolder(size);
+      // 16,384 ranges of 4 KiB scattered over the holder's 64 MiB, in one read.
+      const n = 16384;
+      const block = 4096;
+      const dst = new Uint8Array(n * block);
+      const at = (i: number): number => ((i * 7919) % n) * block;
+      const started = (): boolean => dst.subarray(0, block).some((x) => x !== 0);
+      let call: Promise<unknown>;
+      let connections: () => number;
+      if (via === 'engine') {
+        const e = await requester();
+        const local = await e.register({ kind: 'host', buffer: dst });
+        await e.connect(h.endpoint);
+        const requests = Array.from({ length: n }, (_, i) => ({ local, localOffset: i * block, remote: h.descriptor, remoteOffset: at(i), length: block }));
+        call = e.read(h.endpoint, requests, { timeoutMs: 20_000 });
+        connections = () => e.connections().length;
+      } else {
+        // The same through one connection.execute of one batch, deadline by signal.
+        const t = new TcpTransport();
+        await t.start({ identity: { nodeId: 'requester2', incarnation: 'r2', hostId: 'h' }, logger: silentLogger, inbound: () => undefined });
+        closers.push(() => t.close());
+        const endpoint = decodeEndpoint(h.endpoint);
+        const descriptor = decodeDescriptor(h.descriptor);
+        const conn = await t.connect(endpoint.identity, endpoint.transports.get('tcp') as Uint8Array, { streams: 1, signal: new AbortController().signal, deadline: Date.now() + 10_000 });
+        const local = (await t.register({ kind: 'host', buffer: dst })).handle;
+        const remote = t.decodeRemote(descriptor.transports.get('tcp') as Uint8Array, 'host', descriptor.byteLength);
+        const batch = createTransferBatch('read', Array.from({ length: n }, (_, i) => ({ local, localOffset: i * block, remote, remoteOffset: at(i), length: block })));
+        call = conn.execute(0, batch, { signal: AbortSignal.timeout(20_000), deadline: Date.now() + 20_000 });
+        connections = () => (conn.isOpen ? 1 : 0);
+      }
+      const outcome = call.then(
+        () => 'ok' as const,
+        (err: unknown) => err,
+      );
+      // Kill the holder once the batch's bytes have started to land, long before they all have.
+      let landed = false;
+      while (!landed) {
+        await new Promise((r) => setImmediate(r));
+        landed = started();
+      }
+      h.child.kill('SIGKILL');
+      const r = await outcome;
+      if (r === 'ok') {
+        // Finished before the kill reached it: then it must be complete.
+        for (let i = 0; i < n; i++) expect(Buffer.compare(dst.subarray(i * block, (i + 1) * block), expected.subarray(at(i), at(i) + block))).toBe(0);
+      } else {
+        expect(r, via).toBeInstanceOf(TensorwireError);
+        expect([ErrorCode.ConnectionBroken, ErrorCode.SessionInvalidated, ErrorCode.TimedOut], via).toContain((r as TensorwireError).code);
+        // Settled after quiescing: nothing lands any more.
+        const snapshot = dst.slice();
+        await new Promise((res) => setTimeout(res, 50));
+        expect(Buffer.compare(dst, snapshot)).toBe(0);
+      }
+      expect(connections()).toBe(0);
+    }
+  });
 });
 
-/** A fake peer that completes the handshake, then sends only part of a READ_DATA and stalls. */
+/** A fake peer that completes the handshake, then sends only part of a READV_DATA and stalls. */
 async function stallingPeer(sendBytes: number): Promise<{ endpoint: Uint8Array; descriptor: Uint8Array; sockets: net.Socket[] }> {
   const identity = { nodeId: 'stall', incarnation: 'inc1', hostId: 'h1' };
   const sockets: net.Socket[] = [];
@@ -112,13 +178,16 @@ async function stallingPeer(sendBytes: number): Promise<{ endpoint: Uint8Array; 
         if (buf.length < 12 + len) return;
         const type = buf.readUInt8(1);
         const reqId = buf.readUInt32BE(4);
+        const body = buf.subarray(12, 12 + len);
         buf = buf.subarray(12 + len);
         if (!hello && type === tcpFrames.FrameType.Hello) {
           hello = true;
           s.write(tcpFrames.encodeHelloAck(identity.nodeId, identity.incarnation, identity.hostId, 1 << 24));
-        } else if (type === tcpFrames.FrameType.ReadReq && sendBytes > 0) {
-          s.write(tcpFrames.frameHeader(tcpFrames.FrameType.ReadData, reqId, 4096));
-          s.write(Buffer.alloc(sendBytes, 0xab));
+        } else if (type === tcpFrames.FrameType.ReadvReq && sendBytes > 0) {
+          const head = tcpFrames.decodeVecHead(body);
+          const total = head.ranges.reduce((sum, r) => sum + r.length, 0);
+          s.write(tcpFrames.frameHeader(tcpFrames.FrameType.ReadvData, reqId, total));
+          s.write(Buffer.alloc(Math.min(sendBytes, total - 1), 0xab));
         }
       }
     });

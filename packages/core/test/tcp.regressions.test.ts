@@ -108,7 +108,7 @@ describe('tcp transport regressions', () => {
     await new Promise<void>((r) => s.once('connect', () => r()));
     s.write(tcpFrames.encodeHello({ connectionId: new Uint8Array(16).fill(9), streamIndex: 0, streamCount: 1, nodeId: 'slowpoke', incarnation: 's1', hostId: 'h1', expectedNodeId: id.nodeId, expectedIncarnation: id.incarnation, maxChunkBytes: 1 << 24 }));
     // Ask for 16 MiB twice and never read a byte.
-    for (const rid of [1, 2]) s.write(tcpFrames.encodeReadReq(rid, token, 0, 16 * 1024 * 1024));
+    for (const rid of [1, 2]) s.write(tcpFrames.encodeReadvReq(rid, [token], [{ token: 0, offset: 0, length: 16 * 1024 * 1024 }]));
     s.pause();
     await new Promise((r) => setTimeout(r, 100));
     expect(holder.connections().map((c) => c.peer.nodeId)).toEqual(['slowpoke']);
@@ -127,8 +127,7 @@ describe('tcp transport regressions', () => {
     s.on('error', () => undefined);
     const closed = new Promise<void>((r) => s.once('close', () => r()));
     await new Promise<void>((r) => s.once('connect', () => r()));
-    s.write(tcpFrames.encodeWriteHead(1, token, 0, 8));
-    s.write(Buffer.from('AAAAAAAA'));
+    s.write(tcpFrames.encodeWritevReq(1, [token], [{ token: 0, offset: 0, length: 8 }], Buffer.from('AAAAAAAA')));
     await closed;
     expect(buffer.every((b) => b === 0)).toBe(true);
   });

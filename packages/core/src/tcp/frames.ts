@@ -1,27 +1,43 @@
 /**
- * The TCP transport's wire protocol, version 1. All integers big-endian.
+ * The TCP transport's wire protocol, version 2. All integers big-endian.
  *
  * Every frame: a 12-byte header
- *   u8 version (1) | u8 type | u16 reserved (0) | u32 request id | u32 body length
+ *   u8 version (2) | u8 type | u16 reserved (0) | u32 request id | u32 body length
  * followed by the body.
  *
- *   HELLO      0x10  body: "TWH1" | 16-byte connection id | u8 stream index | u8 stream count
- *                    | str8 nodeId | str8 incarnation | str8 hostId
- *                    | str8 expected peer nodeId | str8 expected peer incarnation | u32 max chunk bytes
- *   HELLO_ACK  0x11  body: str8 nodeId | str8 incarnation | str8 hostId | u32 max chunk bytes
- *   READ_REQ   0x01  body: 16-byte grant token | u64 offset | u32 length
- *   WRITE_REQ  0x02  body: 16-byte grant token | u64 offset | data (body length - 24 bytes)
- *   READ_DATA  0x03  body: exactly the requested bytes
- *   WRITE_ACK  0x04  body: empty
- *   ERROR      0x05  body: str8 code | u16 length | UTF-8 message
- *   GOAWAY     0x06  body: empty; the sender will issue no more requests on this socket
+ *   HELLO       0x10  body: "TWH2" | 16-byte connection id | u8 stream index | u8 stream count
+ *                     | str8 nodeId | str8 incarnation | str8 hostId
+ *                     | str8 expected peer nodeId | str8 expected peer incarnation | u32 max chunk bytes
+ *   HELLO_ACK   0x11  body: str8 nodeId | str8 incarnation | str8 hostId | u32 max chunk bytes
+ *   READV_REQ   0x01  body: vector head (below), nothing else
+ *   WRITEV_REQ  0x02  body: vector head, then the ranges' data back to back, in range order
+ *   READV_DATA  0x03  body: the requested ranges' bytes back to back, in range order
+ *   WRITEV_ACK  0x04  body: empty
+ *   ERROR       0x05  body: u32 range index (0xffffffff: none) | str8 code | u16 length | UTF-8 message
+ *   GOAWAY      0x06  body: empty; the sender will issue no more requests on this socket
+ *
+ * Vector head ({@link VEC_PREFIX_BYTES} + 16 per token + 16 per range):
+ *   u16 token count T (1..MAX_TOKENS_PER_FRAME) | u16 reserved (0) | u32 range count R (1..MAX_RANGES_PER_FRAME)
+ *   T × 16-byte grant token (deduplicated by the sender)
+ *   R × range: u16 token index (< T) | u16 reserved (0) | u32 offset high | u32 offset low | u32 length
+ *
+ * Both sides agree in the handshake on the largest chunk (the smaller of the two offers); it is
+ * also the most data one READV_REQ may ask for and one WRITEV_REQ or READV_DATA may carry.
+ *
+ * A frame that lies about itself (counts beyond the body, a token index beyond the token table,
+ * reserved bits set, WRITEV lengths that do not add up to its data, data beyond the cap) is a
+ * protocol error: the parser throws InvalidInputError and the connection is dropped. A range
+ * that is well-formed but not allowed (unknown or revoked token, out of the grant's bounds,
+ * length 0, too much in total) is answered with ERROR naming its index; a READV is checked
+ * whole before any byte is sent, a WRITEV whole before any byte lands.
  *
  * Identity fields are validated (owner names, incarnation tokens). The dialer must name the
  * exact node and incarnation it expects, as published in its endpoint. TCP itself proves no
  * identity: run it on a trusted network, as with NIXL's or UCX's TCP paths.
  *
- * The parser never reads past the frame it is in, so the bytes of READ_DATA and WRITE_REQ
- * can be received straight into their destination (`nextBuffer()` / `commit()`).
+ * The parser never reads past the frame it is in, so the data of READV_DATA and WRITEV_REQ can
+ * be received straight into their destinations (`directTarget()` / `commit()`), or staged many
+ * frames at a time and scattered (`push()`), following a {@link ScatterList} given by the sink.
  */
 import { ByteReader, ByteWriter } from '../codec.js';
 import { InvalidInputError } from '../errors.js';
@@ -34,19 +50,28 @@ function checkIdentity(what: string, nodeId: string, incarnation: string, hostId
   if (hostId !== undefined && !isToken(hostId)) throw new InvalidInputError(`${what}: malformed host id`, { details: { field: 'hostId' } });
 }
 
-export const PROTOCOL_VERSION = 1;
+export const PROTOCOL_VERSION = 2;
 export const HEADER_BYTES = 12;
 export const TOKEN_BYTES = 16;
-export const WRITE_HEAD_BYTES = TOKEN_BYTES + 8;
-export const READ_REQ_BYTES = TOKEN_BYTES + 8 + 4;
-/** Control frames (everything but READ_DATA and WRITE_REQ data) are small. */
+/** Control frames (everything but the vector frames and READV_DATA) are small. */
 export const MAX_CONTROL_BODY = 4096;
+/** Counts at the start of a vector head. */
+export const VEC_PREFIX_BYTES = 8;
+/** One range of a vector head. */
+export const RANGE_ENTRY_BYTES = 16;
+export const MAX_RANGES_PER_FRAME = 8192;
+export const MAX_TOKENS_PER_FRAME = 1024;
+/** The largest vector head: about 144 KiB. */
+export const MAX_VEC_HEAD_BYTES = VEC_PREFIX_BYTES + TOKEN_BYTES * MAX_TOKENS_PER_FRAME + RANGE_ENTRY_BYTES * MAX_RANGES_PER_FRAME;
+/** ERROR's range index when the error is about no range in particular. */
+export const NO_RANGE = 0xffffffff;
+const TWO_32 = 4294967296;
 
 export const FrameType = {
-  ReadReq: 0x01,
-  WriteReq: 0x02,
-  ReadData: 0x03,
-  WriteAck: 0x04,
+  ReadvReq: 0x01,
+  WritevReq: 0x02,
+  ReadvData: 0x03,
+  WritevAck: 0x04,
   Error: 0x05,
   Goaway: 0x06,
   Hello: 0x10,
@@ -55,46 +80,173 @@ export const FrameType = {
 export type FrameType = (typeof FrameType)[keyof typeof FrameType];
 const KNOWN_TYPES: ReadonlySet<number> = new Set(Object.values(FrameType));
 
+/** Write a frame header at `at` of `b`. */
+export function putHeader(b: Buffer, at: number, type: FrameType, reqId: number, bodyLength: number): void {
+  b[at] = PROTOCOL_VERSION;
+  b[at + 1] = type;
+  b[at + 2] = 0;
+  b[at + 3] = 0;
+  b.writeUInt32BE(reqId >>> 0, at + 4);
+  b.writeUInt32BE(bodyLength >>> 0, at + 8);
+}
+
 export function frameHeader(type: FrameType, reqId: number, bodyLength: number): Buffer {
   const b = Buffer.allocUnsafe(HEADER_BYTES);
-  b.writeUInt8(PROTOCOL_VERSION, 0);
-  b.writeUInt8(type, 1);
-  b.writeUInt16BE(0, 2);
-  b.writeUInt32BE(reqId >>> 0, 4);
-  b.writeUInt32BE(bodyLength >>> 0, 8);
+  putHeader(b, 0, type, reqId, bodyLength);
   return b;
 }
 
-export function encodeReadReq(reqId: number, token: Uint8Array, offset: number, length: number): Buffer {
-  const b = Buffer.allocUnsafe(HEADER_BYTES + READ_REQ_BYTES);
-  frameHeader(FrameType.ReadReq, reqId, READ_REQ_BYTES).copy(b, 0);
-  b.set(token, HEADER_BYTES);
-  b.writeBigUInt64BE(BigInt(offset), HEADER_BYTES + TOKEN_BYTES);
-  b.writeUInt32BE(length, HEADER_BYTES + TOKEN_BYTES + 8);
+/** Replace the request id of an encoded frame (for frames cached and sent again). */
+export function patchRequestId(frame: Buffer, reqId: number): void {
+  frame.writeUInt32BE(reqId >>> 0, 4);
+}
+
+// --- vector heads -----------------------------------------------------------------------
+
+export function vecHeadBytes(tokenCount: number, rangeCount: number): number {
+  return VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * rangeCount;
+}
+
+/**
+ * Allocate a vector request frame (header and head, plus `extra` bytes of capacity after the
+ * head) and write its header and counts. Fill it with {@link putToken} and {@link putRange}.
+ * `dataLength` is the data that follows the head on the wire (0 for READV_REQ).
+ */
+export function allocVecFrame(type: typeof FrameType.ReadvReq | typeof FrameType.WritevReq, reqId: number, tokenCount: number, rangeCount: number, dataLength: number, extra = 0): Buffer {
+  const head = vecHeadBytes(tokenCount, rangeCount);
+  const b = Buffer.allocUnsafe(HEADER_BYTES + head + extra);
+  putHeader(b, 0, type, reqId, head + dataLength);
+  b.writeUInt16BE(tokenCount, HEADER_BYTES);
+  b.writeUInt16BE(0, HEADER_BYTES + 2);
+  b.writeUInt32BE(rangeCount, HEADER_BYTES + 4);
   return b;
 }
 
-/** Header and the 24-byte write head; the data follows as a separate write (no copy). */
-export function encodeWriteHead(reqId: number, token: Uint8Array, offset: number, length: number): Buffer {
-  const b = Buffer.allocUnsafe(HEADER_BYTES + WRITE_HEAD_BYTES);
-  frameHeader(FrameType.WriteReq, reqId, WRITE_HEAD_BYTES + length).copy(b, 0);
-  b.set(token, HEADER_BYTES);
-  b.writeBigUInt64BE(BigInt(offset), HEADER_BYTES + TOKEN_BYTES);
+/** Token `i` of a frame from {@link allocVecFrame}. */
+export function putToken(frame: Buffer, i: number, token: Uint8Array): void {
+  frame.set(token, HEADER_BYTES + VEC_PREFIX_BYTES + TOKEN_BYTES * i);
+}
+
+/** Range `i` of a frame from {@link allocVecFrame} with `tokenCount` tokens. `offset` is a safe integer. */
+export function putRange(frame: Buffer, tokenCount: number, i: number, tokenIndex: number, offset: number, length: number): void {
+  const at = HEADER_BYTES + VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * i;
+  const high = Math.floor(offset / TWO_32);
+  frame.writeUInt16BE(tokenIndex, at);
+  frame.writeUInt16BE(0, at + 2);
+  frame.writeUInt32BE(high, at + 4);
+  frame.writeUInt32BE(offset - high * TWO_32, at + 8);
+  frame.writeUInt32BE(length >>> 0, at + 12);
+}
+
+// Readers of a head (the body of a vector frame, from the counts on). The parser has checked
+// its structure (checkVecHead) before a sink sees it.
+export function headTokenCount(head: Buffer): number {
+  return head.readUInt16BE(0);
+}
+export function headRangeCount(head: Buffer): number {
+  return head.readUInt32BE(4);
+}
+/** Byte position of token `i` in the head. */
+export function headTokenAt(i: number): number {
+  return VEC_PREFIX_BYTES + TOKEN_BYTES * i;
+}
+/** Byte position of range `i` in a head with `tokenCount` tokens. */
+export function headRangeAt(tokenCount: number, i: number): number {
+  return VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * i;
+}
+export function rangeTokenIndex(head: Buffer, at: number): number {
+  return head.readUInt16BE(at);
+}
+/** The range's offset; may exceed 2^53 (then it is beyond every registration anyway). */
+export function rangeOffset(head: Buffer, at: number): number {
+  return head.readUInt32BE(at + 4) * TWO_32 + head.readUInt32BE(at + 8);
+}
+export function rangeLength(head: Buffer, at: number): number {
+  return head.readUInt32BE(at + 12);
+}
+
+/**
+ * Check a complete head's structure: token indices inside the table, reserved bits clear, and
+ * for a WRITEV (`dataLength` ≥ 0) the lengths adding up to the data. Throws InvalidInputError.
+ */
+export function checkVecHead(head: Buffer, dataLength: number): void {
+  const t = head.readUInt16BE(0);
+  const r = head.readUInt32BE(4);
+  if (head.readUInt16BE(2) !== 0) throw new InvalidInputError('vector head has reserved bits set', { details: { field: 'frame' } });
+  if (head.length !== vecHeadBytes(t, r)) throw new InvalidInputError(`vector head of ${head.length} bytes does not match ${t} tokens and ${r} ranges`, { details: { field: 'frame' } });
+  let sum = 0;
+  let at = VEC_PREFIX_BYTES + TOKEN_BYTES * t;
+  for (let i = 0; i < r; i++, at += RANGE_ENTRY_BYTES) {
+    if (head.readUInt16BE(at) >= t) throw new InvalidInputError(`range ${i} names token ${head.readUInt16BE(at)} of ${t}`, { details: { field: 'frame', range: i } });
+    if (head.readUInt16BE(at + 2) !== 0) throw new InvalidInputError(`range ${i} has reserved bits set`, { details: { field: 'frame', range: i } });
+    sum += head.readUInt32BE(at + 12);
+  }
+  if (dataLength >= 0 && sum !== dataLength) {
+    throw new InvalidInputError(`WRITEV ranges add up to ${sum} bytes but the frame carries ${dataLength}`, { details: { field: 'frame' } });
+  }
+}
+
+export interface VecRange {
+  readonly token: number;
+  readonly offset: number;
+  readonly length: number;
+}
+
+/** Object-per-range encoder of a READV_REQ, for tests and tools (hot paths use allocVecFrame). */
+export function encodeReadvReq(reqId: number, tokens: readonly Uint8Array[], ranges: readonly VecRange[]): Buffer {
+  const b = allocVecFrame(FrameType.ReadvReq, reqId, tokens.length, ranges.length, 0);
+  tokens.forEach((t, i) => putToken(b, i, t));
+  ranges.forEach((r, i) => putRange(b, tokens.length, i, r.token, r.offset, r.length));
   return b;
 }
 
-export function encodeError(reqId: number, code: string, message: string): Buffer {
+/** Object-per-range encoder of a WRITEV_REQ with its data, for tests and tools. */
+export function encodeWritevReq(reqId: number, tokens: readonly Uint8Array[], ranges: readonly VecRange[], data: Uint8Array): Buffer {
+  const b = allocVecFrame(FrameType.WritevReq, reqId, tokens.length, ranges.length, data.length, data.length);
+  tokens.forEach((t, i) => putToken(b, i, t));
+  ranges.forEach((r, i) => putRange(b, tokens.length, i, r.token, r.offset, r.length));
+  b.set(data, b.length - data.length);
+  return b;
+}
+
+/**
+ * Object decoder of a head (the body of a vector frame up to its data), checking everything the
+ * parser checks. For tests and tools. `dataLength` as in {@link checkVecHead}.
+ */
+export function decodeVecHead(head: Uint8Array, dataLength = -1): { tokens: Uint8Array[]; ranges: VecRange[] } {
+  const r = new ByteReader(head, 'vector head');
+  const t = r.u16('token count');
+  if (r.u16('reserved') !== 0) throw new InvalidInputError('vector head has reserved bits set', { details: { field: 'frame' } });
+  const n = r.u32('range count');
+  if (t < 1 || t > MAX_TOKENS_PER_FRAME) throw new InvalidInputError(`token count ${t} is out of range`, { details: { field: 'frame' } });
+  if (n < 1 || n > MAX_RANGES_PER_FRAME) throw new InvalidInputError(`range count ${n} is out of range`, { details: { field: 'frame' } });
+  if (head.length !== vecHeadBytes(t, n)) throw new InvalidInputError(`vector head of ${head.length} bytes does not match ${t} tokens and ${n} ranges`, { details: { field: 'frame' } });
+  const b = Buffer.from(head.buffer, head.byteOffset, head.byteLength);
+  checkVecHead(b, dataLength);
+  const tokens = Array.from({ length: t }, (_, i) => head.slice(headTokenAt(i), headTokenAt(i) + TOKEN_BYTES));
+  const ranges = Array.from({ length: n }, (_, i) => {
+    const at = headRangeAt(t, i);
+    return { token: rangeTokenIndex(b, at), offset: rangeOffset(b, at), length: rangeLength(b, at) };
+  });
+  return { tokens, ranges };
+}
+
+// --- control frames ---------------------------------------------------------------------
+
+export function encodeError(reqId: number, code: string, message: string, range: number = NO_RANGE): Buffer {
   const msg = Buffer.from(message.slice(0, 1000), 'utf8');
-  const body = new ByteWriter(32 + msg.length).str8(code).blob16(msg).finish();
+  const body = new ByteWriter(40 + msg.length).u32(range >>> 0).str8(code).blob16(msg).finish();
   return Buffer.concat([frameHeader(FrameType.Error, reqId, body.length), body]);
 }
 
-export function decodeError(body: Uint8Array): { code: string; message: string } {
+/** `range` is undefined when the error names no range. */
+export function decodeError(body: Uint8Array): { code: string; message: string; range: number | undefined } {
   const r = new ByteReader(body, 'ERROR frame');
+  const index = r.u32('range index');
   const code = r.str8('code');
   const message = Buffer.from(r.blob16('message')).toString('utf8');
   r.end();
-  return { code, message };
+  return { code, message, range: index === NO_RANGE ? undefined : index };
 }
 
 export interface Hello {
@@ -109,7 +261,7 @@ export interface Hello {
   readonly maxChunkBytes: number;
 }
 
-const HELLO_MAGIC = [0x54, 0x57, 0x48, 0x31]; // TWH1
+const HELLO_MAGIC = [0x54, 0x57, 0x48, 0x32]; // TWH2
 
 export function encodeHello(h: Hello): Buffer {
   const w = new ByteWriter(128);
@@ -161,67 +313,89 @@ export function decodeHelloAck(body: Uint8Array): { nodeId: string; incarnation:
   return v;
 }
 
-export function decodeReadReq(body: Uint8Array): { token: Uint8Array; offset: number; length: number } {
-  const r = new ByteReader(body, 'READ_REQ frame');
-  const token = r.bytes(TOKEN_BYTES, 'token');
-  const offset = r.safeU64('offset');
-  const length = r.u32('length');
-  r.end();
-  return { token, offset, length };
-}
+// --- parser -----------------------------------------------------------------------------
 
-export function decodeWriteHead(head: Uint8Array): { token: Uint8Array; offset: number } {
-  const r = new ByteReader(head, 'WRITE_REQ head');
-  const token = r.bytes(TOKEN_BYTES, 'token');
-  const offset = r.safeU64('offset');
-  r.end();
-  return { token, offset };
+/**
+ * Where the data of one frame goes, described by indices so that no object exists per range:
+ * entry `e` (for `first <= e < first + count`) lands `table[e*stride + lengthField]` bytes at
+ * `table[e*stride + offsetField]` of `buffers[table[e*stride + bufferField]]`, entries back to
+ * back in order. Their lengths must add up to the frame's data length, and each must fit its
+ * buffer (the parser checks the latter as it goes).
+ */
+export interface ScatterList {
+  readonly buffers: readonly Uint8Array[];
+  readonly table: Float64Array;
+  readonly stride: number;
+  readonly bufferField: number;
+  readonly offsetField: number;
+  readonly lengthField: number;
+  readonly first: number;
+  readonly count: number;
 }
 
 /** What the parser asks its owner. */
 export interface FrameSink {
-  /** A complete control frame (or READ_REQ). */
+  /** A complete control frame. */
   onControl(type: FrameType, reqId: number, body: Uint8Array): void;
-  /** Where the `length` data bytes of a READ_DATA frame go, or undefined to discard them. */
-  readTarget(reqId: number, length: number): Uint8Array | undefined;
-  /** Where the data of a WRITE_REQ goes, or undefined to discard it (the sink answers with ERROR later). */
-  writeTarget(reqId: number, head: Uint8Array, length: number): Uint8Array | undefined;
-  /** The data of a READ_DATA or WRITE_REQ frame has fully arrived (`discarded` if it went nowhere). */
+  /**
+   * A complete READV_REQ, its structure checked ({@link checkVecHead}). `head` is the parser's
+   * buffer: valid only during the call (copy it to keep it).
+   */
+  onReadvRequest(reqId: number, head: Buffer): void;
+  /** Where the `length` data bytes of a READV_DATA frame go, or undefined to discard them. */
+  readvTarget(reqId: number, length: number): ScatterList | undefined;
+  /**
+   * Where the data of a WRITEV_REQ goes, or undefined to discard it (the sink answers with ERROR
+   * later). `head` as in onReadvRequest; the lengths add up to `length`.
+   */
+  writevTarget(reqId: number, head: Buffer, length: number): ScatterList | undefined;
+  /** The data of a READV_DATA or WRITEV_REQ frame has fully arrived (`discarded` if it went nowhere). */
   onDataDone(type: FrameType, reqId: number, discarded: boolean): void;
 }
 
 const enum State {
   Header,
   Body,
-  WriteHead,
+  VecPrefix,
+  VecHead,
   Data,
   Failed,
 }
 
+const copy = Buffer.prototype.copy;
+
 /**
  * Incremental frame parser. `nextBuffer()` returns exactly the bytes the current state still
  * needs (never more), so a socket can `recv` straight into destination memory.
- * Throws InvalidInputError on any malformed header (the connection must then be dropped).
+ * Throws InvalidInputError on any malformed frame (the connection must then be dropped).
  */
 export class FrameParser {
   #sink: FrameSink | undefined;
   readonly #maxData: number;
   readonly #header = Buffer.alloc(HEADER_BYTES);
-  readonly #writeHead = Buffer.alloc(WRITE_HEAD_BYTES);
-  readonly #scratch: Buffer;
+  /** Vector heads: grown on demand up to MAX_VEC_HEAD_BYTES, reused. */
+  #head: Buffer = Buffer.alloc(256);
+  #scratch: Buffer | undefined;
   #state: State = State.Header;
   #have = 0;
-  #type: FrameType = FrameType.ReadReq;
+  #type: FrameType = FrameType.ReadvReq;
   #reqId = 0;
   #bodyLength = 0;
   #body: Buffer = Buffer.alloc(0);
-  #target: Uint8Array | undefined;
+  #headBytes = 0;
+  // Data phase: bytes left in the frame, and the scatter walk (entry index, its buffer, where the
+  // next byte goes in it, how many bytes the entry still takes).
+  #dataLeft = 0;
   #dataLength = 0;
+  #scatter: ScatterList | undefined;
+  #entry = 0;
+  #entryBuf: Uint8Array = new Uint8Array(0);
+  #entryPos = 0;
+  #entryLeft = 0;
 
   constructor(sink: FrameSink | undefined, maxDataBytes: number) {
     this.#sink = sink;
     this.#maxData = maxDataBytes;
-    this.#scratch = Buffer.allocUnsafe(64 * 1024);
   }
 
   /** Attach the sink when it could not exist yet at construction (a socket reading into this parser). */
@@ -234,9 +408,9 @@ export class FrameParser {
     return this.#sink;
   }
 
-  /** True while the parser is writing data into a caller-provided target. */
-  get receivingInto(): Uint8Array | undefined {
-    return this.#state === State.Data ? this.#target : undefined;
+  #scratchBuf(): Buffer {
+    this.#scratch ??= Buffer.allocUnsafe(64 * 1024);
+    return this.#scratch;
   }
 
   nextBuffer(): Uint8Array {
@@ -245,36 +419,103 @@ export class FrameParser {
         return this.#header.subarray(this.#have);
       case State.Body:
         return this.#body.subarray(this.#have);
-      case State.WriteHead:
-        return this.#writeHead.subarray(this.#have);
+      case State.VecPrefix:
+        return this.#head.subarray(this.#have, VEC_PREFIX_BYTES);
+      case State.VecHead:
+        return this.#head.subarray(this.#have, this.#headBytes);
       case State.Data: {
-        const left = this.#dataLength - this.#have;
-        if (this.#target) return this.#target.subarray(this.#have);
-        return this.#scratch.subarray(0, Math.min(left, this.#scratch.length));
+        if (this.#scatter) return this.#entryBuf.subarray(this.#entryPos, this.#entryPos + this.#entryLeft);
+        const s = this.#scratchBuf();
+        return s.subarray(0, Math.min(this.#dataLeft, s.length));
       }
       default:
-        return this.#scratch.subarray(0, 1);
+        return this.#scratchBuf().subarray(0, 1);
     }
   }
 
   /**
-   * The caller's target, from where the next byte goes, when at least `min` bytes of it are
-   * still to come: large payloads are received straight into it; small frames are better read
-   * many at a time into a staging buffer and copied (`push`).
+   * The current destination range, from where the next byte goes, when at least `min` bytes of
+   * it are still to come: large ranges are received straight into it; small ones are better
+   * read many at a time into a staging buffer and copied out (`push`).
    */
   directTarget(min: number): Uint8Array | undefined {
-    if (this.#state !== State.Data || !this.#target) return undefined;
-    return this.#dataLength - this.#have >= min ? this.#target.subarray(this.#have) : undefined;
+    if (this.#state !== State.Data || !this.#scatter || this.#entryLeft < min) return undefined;
+    return this.#entryBuf.subarray(this.#entryPos, this.#entryPos + this.#entryLeft);
   }
 
-  /** Stop discarding into the caller's target: the rest of the current frame goes to scratch. */
+  /**
+   * How many bytes (at most `max`) to read into a staging buffer next: normally `max`, but when a
+   * destination range of at least `min` bytes starts soon in the current frame, only up to its
+   * start, so that the range itself is then received directly. Looks a bounded number of ranges ahead.
+   */
+  stagingBytes(max: number, min: number): number {
+    const s = this.#scatter;
+    if (this.#state !== State.Data || !s) return max;
+    let ahead = this.#entryLeft;
+    const end = s.first + s.count;
+    for (let e = this.#entry + 1, steps = 0; ahead < max && e < end && steps < 32; e++, steps++) {
+      const len = s.table[e * s.stride + s.lengthField] as number;
+      if (len >= min) return ahead;
+      ahead += len;
+    }
+    return max;
+  }
+
+  /** Stop storing into the sink's scatter list: the rest of the current frame is discarded. */
   detachTarget(): void {
-    if (this.#state === State.Data) this.#target = undefined;
+    if (this.#state === State.Data) this.#scatter = undefined;
   }
 
+  /** `n` bytes were written into the buffer `nextBuffer()` (or `directTarget()`) returned. */
   commit(n: number): void {
     if (this.#state === State.Failed || n <= 0) return;
+    if (this.#state === State.Data) {
+      this.#dataLeft -= n;
+      if (this.#scatter) {
+        this.#entryPos += n;
+        this.#entryLeft -= n;
+        if (this.#entryLeft === 0 && this.#dataLeft > 0) this.#nextEntry();
+      }
+      if (this.#dataLeft === 0) this.#dataDone();
+      return;
+    }
     this.#have += n;
+    this.#stepped();
+  }
+
+  /** Copy-mode input: feed a received chunk; data is copied straight to its destination ranges. */
+  push(chunk: Uint8Array): void {
+    let off = 0;
+    const len = chunk.length;
+    while (off < len) {
+      switch (this.#state) {
+        case State.Data: {
+          const n = Math.min(len - off, this.#scatter ? this.#entryLeft : this.#dataLeft);
+          if (this.#scatter) copy.call(chunk, this.#entryBuf, this.#entryPos, off, off + n);
+          off += n;
+          this.commit(n);
+          break;
+        }
+        case State.Failed:
+          return;
+        default: {
+          const dst = this.nextBuffer();
+          const n = Math.min(dst.length, len - off);
+          copy.call(chunk, dst, 0, off, off + n);
+          off += n;
+          this.commit(n);
+        }
+      }
+    }
+  }
+
+  #fail(message: string): never {
+    this.#state = State.Failed;
+    throw new InvalidInputError(message, { details: { field: 'frame' } });
+  }
+
+  /** A non-data state received bytes: act when its buffer is complete. */
+  #stepped(): void {
     switch (this.#state) {
       case State.Header:
         if (this.#have === HEADER_BYTES) this.#onHeader();
@@ -286,88 +527,135 @@ export class FrameParser {
           this.#s.onControl(this.#type, this.#reqId, body);
         }
         return;
-      case State.WriteHead:
-        if (this.#have === WRITE_HEAD_BYTES) {
-          this.#dataLength = this.#bodyLength - WRITE_HEAD_BYTES;
-          this.#target = this.#s.writeTarget(this.#reqId, this.#writeHead, this.#dataLength);
-          this.#enterData();
-        }
+      case State.VecPrefix:
+        if (this.#have === VEC_PREFIX_BYTES) this.#onVecPrefix();
         return;
-      case State.Data:
-        if (this.#have === this.#dataLength) {
-          const discarded = this.#target === undefined;
-          const { type, reqId } = { type: this.#type, reqId: this.#reqId };
-          this.#reset();
-          this.#s.onDataDone(type, reqId, discarded);
-        }
+      case State.VecHead:
+        if (this.#have === this.#headBytes) this.#onVecHead();
         return;
       default:
         return;
     }
   }
 
-  /** Copy-mode input: feed a received chunk. */
-  push(chunk: Uint8Array): void {
-    let off = 0;
-    while (off < chunk.length && this.#state !== State.Failed) {
-      const dst = this.nextBuffer();
-      const n = Math.min(dst.length, chunk.length - off);
-      dst.set(chunk.subarray(off, off + n));
-      off += n;
-      this.commit(n);
-    }
-  }
-
-  #fail(message: string): never {
-    this.#state = State.Failed;
-    throw new InvalidInputError(message, { details: { field: 'frame' } });
-  }
-
   #onHeader(): void {
     const h = this.#header;
-    const version = h.readUInt8(0);
+    const version = h[0] as number;
     if (version !== PROTOCOL_VERSION) this.#fail(`frame version ${version} is not supported (expected ${PROTOCOL_VERSION})`);
-    const type = h.readUInt8(1);
+    const type = h[1] as number;
     if (!KNOWN_TYPES.has(type)) this.#fail(`unknown frame type 0x${type.toString(16)}`);
     if (h.readUInt16BE(2) !== 0) this.#fail('reserved header bits are set');
     this.#type = type as FrameType;
     this.#reqId = h.readUInt32BE(4);
     this.#bodyLength = h.readUInt32BE(8);
     this.#have = 0;
-    if (type === FrameType.ReadData) {
-      if (this.#bodyLength === 0 || this.#bodyLength > this.#maxData) this.#fail(`READ_DATA of ${this.#bodyLength} bytes is out of range`);
-      this.#dataLength = this.#bodyLength;
-      this.#target = this.#s.readTarget(this.#reqId, this.#dataLength);
-      this.#enterData();
-    } else if (type === FrameType.WriteReq) {
-      if (this.#bodyLength <= WRITE_HEAD_BYTES || this.#bodyLength - WRITE_HEAD_BYTES > this.#maxData) {
-        this.#fail(`WRITE_REQ of ${this.#bodyLength} bytes is out of range`);
-      }
-      this.#state = State.WriteHead;
+    const len = this.#bodyLength;
+    if (type === FrameType.ReadvData) {
+      if (len === 0 || len > this.#maxData) this.#fail(`READV_DATA of ${len} bytes is out of range`);
+      this.#enterData(len, this.#s.readvTarget(this.#reqId, len));
+    } else if (type === FrameType.ReadvReq || type === FrameType.WritevReq) {
+      const min = vecHeadBytes(1, 1);
+      const max = type === FrameType.ReadvReq ? MAX_VEC_HEAD_BYTES : MAX_VEC_HEAD_BYTES + this.#maxData;
+      if (len < min || len > max) this.#fail(`${type === FrameType.ReadvReq ? 'READV' : 'WRITEV'}_REQ of ${len} bytes is out of range`);
+      this.#state = State.VecPrefix;
     } else {
-      if (this.#bodyLength > MAX_CONTROL_BODY) this.#fail(`control frame of ${this.#bodyLength} bytes exceeds ${MAX_CONTROL_BODY}`);
-      if (this.#bodyLength === 0) {
-        const { type: t, reqId } = { type: this.#type, reqId: this.#reqId };
+      if (len > MAX_CONTROL_BODY) this.#fail(`control frame of ${len} bytes exceeds ${MAX_CONTROL_BODY}`);
+      if (len === 0) {
+        const t = this.#type;
         this.#reset();
-        this.#s.onControl(t, reqId, new Uint8Array(0));
+        this.#s.onControl(t, this.#reqId, new Uint8Array(0));
         return;
       }
-      this.#body = Buffer.allocUnsafe(this.#bodyLength);
+      this.#body = Buffer.allocUnsafe(len);
       this.#state = State.Body;
     }
   }
 
-  #enterData(): void {
-    if (this.#target && this.#target.length !== this.#dataLength) {
-      this.#fail(`internal: data target of ${this.#target.length} bytes for ${this.#dataLength}`);
+  #onVecPrefix(): void {
+    const p = this.#head;
+    const tokens = p.readUInt16BE(0);
+    const ranges = p.readUInt32BE(4);
+    if (p.readUInt16BE(2) !== 0) this.#fail('vector head has reserved bits set');
+    if (tokens < 1 || tokens > MAX_TOKENS_PER_FRAME) this.#fail(`token count ${tokens} is out of range (1..${MAX_TOKENS_PER_FRAME})`);
+    if (ranges < 1 || ranges > MAX_RANGES_PER_FRAME) this.#fail(`range count ${ranges} is out of range (1..${MAX_RANGES_PER_FRAME})`);
+    const head = vecHeadBytes(tokens, ranges);
+    if (this.#type === FrameType.ReadvReq) {
+      if (head !== this.#bodyLength) this.#fail(`READV_REQ of ${this.#bodyLength} bytes does not match ${tokens} tokens and ${ranges} ranges`);
+    } else {
+      const data = this.#bodyLength - head;
+      if (data < 1 || data > this.#maxData) this.#fail(`WRITEV_REQ with ${tokens} tokens and ${ranges} ranges carries ${data} data bytes`);
     }
+    if (this.#head.length < head) {
+      const grown = Buffer.allocUnsafe(Math.min(MAX_VEC_HEAD_BYTES, Math.max(head, 2 * this.#head.length)));
+      this.#head.copy(grown, 0, 0, VEC_PREFIX_BYTES);
+      this.#head = grown;
+    }
+    this.#headBytes = head;
+    this.#state = State.VecHead;
+  }
+
+  #onVecHead(): void {
+    const head = this.#head.subarray(0, this.#headBytes);
+    const write = this.#type === FrameType.WritevReq;
+    const data = this.#bodyLength - this.#headBytes;
+    try {
+      checkVecHead(head, write ? data : -1);
+    } catch (e) {
+      this.#fail(e instanceof Error ? e.message : String(e));
+    }
+    if (!write) {
+      this.#reset();
+      this.#s.onReadvRequest(this.#reqId, head);
+      return;
+    }
+    this.#enterData(data, this.#s.writevTarget(this.#reqId, head, data));
+  }
+
+  #enterData(length: number, scatter: ScatterList | undefined): void {
     this.#have = 0;
+    this.#dataLength = length;
+    this.#dataLeft = length;
+    this.#scatter = scatter;
     this.#state = State.Data;
+    if (scatter) {
+      if (scatter.count < 1) this.#fail('internal: empty scatter list');
+      this.#entry = scatter.first - 1;
+      this.#nextEntry();
+    }
+  }
+
+  /** Move to the next entry of the scatter list (skipping empty ones). */
+  #nextEntry(): void {
+    const s = this.#scatter as ScatterList;
+    const end = s.first + s.count;
+    for (;;) {
+      const e = ++this.#entry;
+      if (e >= end) this.#fail(`internal: scatter list of ${s.count} ranges ends before the ${this.#dataLength} data bytes do`);
+      const at = e * s.stride;
+      const buf = s.buffers[s.table[at + s.bufferField] as number];
+      const off = s.table[at + s.offsetField] as number;
+      const len = s.table[at + s.lengthField] as number;
+      if (buf === undefined || !(off >= 0) || !(len >= 0) || off + len > buf.length) this.#fail(`internal: scatter range ${e} does not fit its buffer`);
+      if (len === 0) continue;
+      if (len > this.#dataLeft) this.#fail(`internal: scatter range ${e} extends past the frame's data`);
+      this.#entryBuf = buf;
+      this.#entryPos = off;
+      this.#entryLeft = len;
+      return;
+    }
+  }
+
+  #dataDone(): void {
+    const discarded = this.#scatter === undefined;
+    const type = this.#type;
+    this.#reset();
+    this.#s.onDataDone(type, this.#reqId, discarded);
   }
 
   #reset(): void {
     this.#state = State.Header;
     this.#have = 0;
-    this.#target = undefined;
+    this.#scatter = undefined;
+    this.#entryLeft = 0;
   }
 }

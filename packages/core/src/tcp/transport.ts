@@ -1,20 +1,36 @@
 /**
  * The TCP transport: one-sided READ and WRITE against memory the other side registered,
- * over the length-prefixed protocol in frames.ts on `node:net`.
+ * over the vectored protocol in frames.ts on `node:net`.
  *
  * - Every registration gets its own unguessable 128-bit grant token; revoking it makes
  *   further requests fail with `REVOKED`, and waits until no socket still references it.
- * - Outbound sockets receive with `onread`: the kernel copies READ_DATA straight into the
- *   destination registration, with no intermediate buffer. Payloads are sent from the
- *   registered memory itself (no copy). Inbound sockets copy once from Node's buffers.
- * - The responder pauses reading requests while its socket's send queue is full.
- * - A connection is `streams` sockets; the engine spreads chunks over them. Both sides can
+ * - A stream batch becomes a few frames (at most {@link FRAME_TARGET_BYTES} of data, 8192
+ *   ranges and 1024 tokens each, so frames pipeline), each one READV_REQ or WRITEV_REQ carrying
+ *   many ranges. Encoded frames are cached per batch object (the engine posts the same batch
+ *   again for prepared transfers) and only their request ids are patched. One pending entry
+ *   per frame, one promise per `execute()` call, settled by counting frames.
+ * - Outbound sockets receive with `onread`: a destination range with at least
+ *   {@link DIRECT_MIN_BYTES} still to come is handed to libuv itself; small ranges are read
+ *   many at a time into a staging buffer and copied out (a staged read stops where a large
+ *   range starts). Inbound sockets copy once from Node's buffers, straight into each range.
+ *   The parser walks the batch's own range table by index: no object per range.
+ * - The responder checks every range of a frame before sending or accepting any byte, answers
+ *   with one READV_DATA (ranges under {@link ZERO_COPY_MIN_BYTES} coalesced into one send
+ *   buffer, larger ones handed to the socket from the registered memory itself, pinned until
+ *   written) or one ERROR naming the failing range. A WRITEV's data is scattered straight into
+ *   the granted memory, or skipped when the head was refused.
+ * - The responder queues requests while its socket's send queue is above the high-water mark;
+ *   that queue is bounded per socket ({@link TcpTransportOptions.maxQueuedRequests},
+ *   {@link TcpTransportOptions.maxQueuedRequestBytes}): a peer that keeps asking without reading
+ *   the replies is disconnected, with a logged reason. Other peers are unaffected.
+ * - A connection is `streams` sockets; the engine spreads work over them. Both sides can
  *   issue requests on every socket, which makes simultaneous open a real case the engine
  *   settles (see TransportHost.inbound).
- * - On abort or deadline, a chunk whose bytes the socket may still be writing into memory
- *   (or reading from memory) has its socket destroyed first: the promise settles only after
- *   nothing can touch the memory (invariant 6). Other chunks are simply forgotten and their
- *   late replies discarded.
+ * - On abort or deadline, a batch whose bytes the socket may still be writing into memory
+ *   (or reading from memory) is quiesced first: a write not yet flushed has its socket
+ *   destroyed; a read libuv may still receive into settles after that read, or its socket is
+ *   destroyed. The promise settles only after nothing can touch the memory (invariant 6). Late
+ *   replies to the rest are discarded.
  */
 import { randomBytes } from 'node:crypto';
 import net from 'node:net';
@@ -26,19 +42,22 @@ import {
   InvalidInputError,
   RemoteRejectedError,
   SessionInvalidatedError,
+  TimedOutError,
   type TensorwireError,
   errorFromSignal,
   toTensorwireError,
 } from '../errors.js';
 import type { Logger } from '../logger.js';
 import {
+  RANGE_STRIDE,
+  RangeField,
   TRANSPORT_SPECIFICATION_VERSION,
   type ConnectOptions,
   type ExecuteOptions,
   type Memory,
   type MemoryKind,
   type NodeIdentity,
-  type TransferChunk,
+  type TransferBatch,
   type Transport,
   type TransportCapabilities,
   type TransportConnection,
@@ -48,19 +67,33 @@ import {
 import {
   FrameParser,
   FrameType,
+  HEADER_BYTES,
+  MAX_RANGES_PER_FRAME,
+  MAX_TOKENS_PER_FRAME,
+  NO_RANGE,
   TOKEN_BYTES,
+  allocVecFrame,
   decodeError,
   decodeHello,
   decodeHelloAck,
-  decodeReadReq,
-  decodeWriteHead,
   encodeError,
   encodeHello,
   encodeHelloAck,
-  encodeReadReq,
-  encodeWriteHead,
   frameHeader,
+  headRangeAt,
+  headRangeCount,
+  headTokenAt,
+  headTokenCount,
+  patchRequestId,
+  putHeader,
+  putRange,
+  putToken,
+  rangeLength,
+  rangeOffset,
+  rangeTokenIndex,
+  vecHeadBytes,
   type FrameSink,
+  type ScatterList,
 } from './frames.js';
 
 export interface TcpTransportOptions {
@@ -70,10 +103,17 @@ export interface TcpTransportOptions {
   port?: number;
   /** Address peers should dial, when it differs from `host` (e.g. listening on 0.0.0.0). */
   advertiseHost?: string;
-  /** Largest chunk accepted on the wire. Default 16 MiB. */
+  /** Largest chunk accepted on the wire, and the most data one frame may carry. Default 16 MiB. */
   maxChunkBytes?: number;
-  /** Responder pauses reading requests while more than this many bytes wait to be sent. Default 8 MiB. */
+  /** Responder queues requests while more than this many bytes wait to be sent. Default 8 MiB. */
   sendHighWaterMark?: number;
+  /**
+   * Most request frames one socket may have waiting in the responder's queue (while the send
+   * queue is over the high-water mark). A peer past it is disconnected. Default 65536.
+   */
+  maxQueuedRequests?: number;
+  /** Most bytes of request heads one socket may have waiting in that queue. Default 64 MiB. */
+  maxQueuedRequestBytes?: number;
   /** A peer must finish its handshake within this. Default 10 s. */
   handshakeTimeoutMs?: number;
   /** How long a retiring connection may go without progress before it is closed abortively. Default 10 s. */
@@ -84,12 +124,43 @@ export interface TcpTransportOptions {
 
 const ENDPOINT_MAGIC = [0x54, 0x57, 0x54, 0x01]; // TWT v1
 const REVOKED_MEMORY = 4096;
-/** Payloads with at least this much left are received straight into their destination. */
-const DIRECT_MIN_BYTES = 64 * 1024;
-/** Staging buffer for small frames on outbound sockets. */
+/** Destination ranges with at least this much still to come are received straight into their memory. */
+export const DIRECT_MIN_BYTES = 64 * 1024;
+/**
+ * Reply and WRITEV data ranges of at least this size are handed to the socket as they are (the
+ * kernel copies them once, straight from the registered memory); smaller ones are coalesced into
+ * one send buffer. Measured on loopback with ranges scattered over 64 MiB: from about 1 KiB up,
+ * one copy by the kernel beats a user-space gather copy plus the kernel's copy of that.
+ */
+export const ZERO_COPY_MIN_BYTES = 1024;
+/** A stream batch is cut into frames of at most this much data (a larger single range is a frame of its own). */
+export const FRAME_TARGET_BYTES = 1024 * 1024;
+/** Staging buffer for small ranges and control frames on outbound sockets. */
 const STAGING_BYTES = 64 * 1024;
 /** How long a cancelled read may wait for the one read libuv can still do into its buffer. */
 const CANCEL_GRACE_MS = 200;
+/** Bookkeeping counted per queued request, on top of its head. */
+const QUEUED_REQUEST_OVERHEAD = 64;
+
+
+/**
+ * Reply buffers for coalesced small ranges, reused: a fresh large buffer costs a page fault per
+ * 4 KiB on first touch, more than the copy itself. Shared by a transport's sockets (one thread).
+ */
+class SendBufferPool {
+  static readonly SIZE = HEADER_BYTES + FRAME_TARGET_BYTES;
+  static readonly KEEP = 8;
+  readonly #free: Buffer[] = [];
+  /** A buffer of at least `n` bytes (pooled when `n` is large but fits the pool's size). */
+  take(n: number): Buffer {
+    if (n <= 4096 || n > SendBufferPool.SIZE) return Buffer.allocUnsafe(n);
+    return this.#free.pop() ?? Buffer.allocUnsafeSlow(SendBufferPool.SIZE);
+  }
+  /** The socket has written it (or dropped it): it may be reused. */
+  give(b: Buffer): void {
+    if (b.length === SendBufferPool.SIZE && this.#free.length < SendBufferPool.KEEP) this.#free.push(b);
+  }
+}
 
 /** The TCP endpoint blob: where to dial. */
 export function encodeTcpEndpoint(host: string, port: number): Uint8Array {
@@ -116,6 +187,8 @@ class TcpGrant {
   readonly token: Uint8Array;
   readonly key: string;
   readonly buffer: Uint8Array;
+  /** The same memory as a Buffer: views of it go to the socket without another wrapper. */
+  readonly bytes: Buffer;
   revoked = false;
   users = 0;
   readonly #byStream = new Map<TcpStream, number>();
@@ -124,6 +197,7 @@ class TcpGrant {
     this.token = randomBytes(TOKEN_BYTES);
     this.key = toHex(this.token);
     this.buffer = buffer;
+    this.bytes = Buffer.from(buffer.buffer, buffer.byteOffset, buffer.byteLength);
   }
   acquire(stream: TcpStream): void {
     this.users++;
@@ -147,25 +221,170 @@ class TcpGrant {
   }
 }
 
-interface RemoteGrant {
-  readonly token: Uint8Array;
-  readonly byteLength: number;
+/** A decoded remote descriptor: the peer's grant token and the length its descriptor claims. */
+class RemoteGrant {
+  constructor(
+    readonly token: Uint8Array,
+    readonly byteLength: number,
+  ) {}
 }
 
-type PendingKind = 'read' | 'write';
+// --- batch plans -------------------------------------------------------------------------
 
-/** One request this side issued and awaits. */
-interface Pending {
-  readonly id: number;
-  readonly kind: PendingKind;
-  readonly dest: Uint8Array | undefined; // read destination
-  readonly source: Uint8Array | undefined; // write source
-  grant: TcpGrant | undefined; // local grant pinned while the socket touches it
-  flushed: boolean; // write: the payload left Node's buffers
-  cancelled: boolean;
-  cancelError?: TensorwireError; // the caller's abort/timeout, reported instead of the socket error
+/** One request frame of a batch: ranges [start, start+count), encoded once. */
+interface FramePlan {
+  readonly start: number;
+  readonly count: number;
+  readonly bytes: number;
+  /** Header and head; for a write, followed by room for the frame's small ranges' data. */
+  readonly wire: Buffer;
+  /** Header + head bytes. */
+  readonly headEnd: number;
+  /** The wire buffer is queued in a socket (a concurrent post of the same batch must use a copy). */
+  busy: boolean;
+  /** Reads: where READV_DATA lands (indices into the batch's own range table). */
+  readonly scatter: ScatterList | undefined;
+}
+
+/** What a transport derives once from a batch object. */
+interface BatchPlan {
+  /** The connection chunk limit it was checked against. */
+  readonly cap: number;
+  readonly write: boolean;
+  readonly grants: readonly TcpGrant[];
+  /** Per local: its memory as a Buffer (for sending). */
+  readonly buffers: readonly Buffer[];
+  readonly frames: readonly FramePlan[];
+}
+
+const plans = new WeakMap<TransferBatch, BatchPlan>();
+
+function badRange(batch: TransferBatch, i: number, message: string): InvalidInputError {
+  const request = batch.ranges[i * RANGE_STRIDE + RangeField.Request];
+  return new InvalidInputError(`range ${i} (request ${request}): ${message}`, { details: { request, range: i } });
+}
+
+function isIndex(v: number, n: number): boolean {
+  return Number.isInteger(v) && v >= 0 && v < n;
+}
+
+function isOffset(v: number): boolean {
+  return Number.isSafeInteger(v) && v >= 0;
+}
+
+/** Check a batch once and encode its request frames. Throws InvalidInputError naming the range. */
+function planBatch(batch: TransferBatch, cap: number): BatchPlan {
+  const write = batch.op === 'write';
+  if (!write && batch.op !== 'read') throw new InvalidInputError(`batch op ${String(batch.op)} is neither read nor write`);
+  const n = batch.count;
+  const r = batch.ranges;
+  if (!Number.isSafeInteger(n) || n < 0 || !(r instanceof Float64Array) || r.length < n * RANGE_STRIDE) throw new InvalidInputError('batch range table is malformed');
+  const grants = batch.locals.map((l) => {
+    if (!(l instanceof TcpGrant)) throw new InvalidInputError('local registration is not a tcp registration');
+    return l;
+  });
+  const remotes = batch.remotes.map((x) => {
+    if (!(x instanceof RemoteGrant)) throw new InvalidInputError('remote is not a decoded tcp descriptor');
+    return x;
+  });
+  const buffers = grants.map((g) => g.bytes);
+  for (let i = 0; i < n; i++) {
+    const at = i * RANGE_STRIDE;
+    const l = r[at + RangeField.Local] as number;
+    const lo = r[at + RangeField.LocalOffset] as number;
+    const m = r[at + RangeField.Remote] as number;
+    const ro = r[at + RangeField.RemoteOffset] as number;
+    const len = r[at + RangeField.Length] as number;
+    if (!isIndex(l, grants.length) || !isIndex(m, remotes.length)) throw badRange(batch, i, 'local or remote index is out of the batch tables');
+    if (r[at + RangeField.RemoteRange] !== 0) throw badRange(batch, i, 'tcp has no range grants: the remote range must be 0 (the whole registration)');
+    if (!Number.isInteger(len) || len < 1 || len > cap) throw badRange(batch, i, `length ${len} is not 1..${cap} (the connection's chunk limit)`);
+    if (!isOffset(lo) || lo + len > (buffers[l] as Uint8Array).length) throw badRange(batch, i, `${lo}+${len} does not fit the local registration`);
+    if (!isOffset(ro) || ro + len > (remotes[m] as RemoteGrant).byteLength) throw badRange(batch, i, `${ro}+${len} does not fit the remote registration`);
+  }
+  // Cut into frames: at most FRAME_TARGET_BYTES of data (one larger range stands alone), and the
+  // protocol's range and token limits. Tokens are per frame, deduplicated.
+  const target = Math.min(FRAME_TARGET_BYTES, cap);
+  const tokenOf = new Int32Array(remotes.length).fill(-1);
+  const used: number[] = [];
+  const frames: FramePlan[] = [];
+  const close = (start: number, end: number, bytes: number): void => {
+    const count = end - start;
+    let small = 0;
+    if (write) {
+      for (let i = start; i < end; i++) {
+        const len = r[i * RANGE_STRIDE + RangeField.Length] as number;
+        if (len < ZERO_COPY_MIN_BYTES) small += len;
+      }
+    }
+    const wire = allocVecFrame(write ? FrameType.WritevReq : FrameType.ReadvReq, 0, used.length, count, write ? bytes : 0, small);
+    used.forEach((m, t) => putToken(wire, t, (remotes[m] as RemoteGrant).token));
+    for (let i = start; i < end; i++) {
+      const at = i * RANGE_STRIDE;
+      putRange(wire, used.length, i - start, tokenOf[r[at + RangeField.Remote] as number] as number, r[at + RangeField.RemoteOffset] as number, r[at + RangeField.Length] as number);
+    }
+    const scatter: ScatterList | undefined = write
+      ? undefined
+      : { buffers, table: r, stride: RANGE_STRIDE, bufferField: RangeField.Local, offsetField: RangeField.LocalOffset, lengthField: RangeField.Length, first: start, count };
+    frames.push({ start, count, bytes, wire, headEnd: HEADER_BYTES + vecHeadBytes(used.length, count), busy: false, scatter });
+    for (const m of used) tokenOf[m] = -1;
+    used.length = 0;
+  };
+  let start = 0;
+  let bytes = 0;
+  for (let i = 0; i < n; i++) {
+    const at = i * RANGE_STRIDE;
+    const len = r[at + RangeField.Length] as number;
+    const m = r[at + RangeField.Remote] as number;
+    if (i > start && (i - start >= MAX_RANGES_PER_FRAME || bytes + len > target || (tokenOf[m] === -1 && used.length >= MAX_TOKENS_PER_FRAME))) {
+      close(start, i, bytes);
+      start = i;
+      bytes = 0;
+    }
+    if (tokenOf[m] === -1) tokenOf[m] = used.push(m) - 1;
+    bytes += len;
+  }
+  if (n > start) close(start, n, bytes);
+  return { cap, write, grants, buffers, frames };
+}
+
+/** One `execute()` call: its frames are answered, counted, and the call settles once. */
+interface Op {
+  readonly plan: BatchPlan;
+  readonly batch: TransferBatch;
+  readonly frames: FramePending[];
+  /** Frames not yet answered. */
+  remaining: number;
+  /** Write frames whose data has not yet left Node's buffers. */
+  unflushed: number;
+  error: TensorwireError | undefined;
+  /** The caller's abort/timeout, reported instead of the socket error. */
+  cancelError: TensorwireError | undefined;
+  settled: boolean;
+  /** The local grants are pinned for this call. */
+  pinned: boolean;
   readonly done: Deferred<void>;
+  readonly signal: AbortSignal;
+  onAbort: (() => void) | undefined;
 }
+
+/** One request frame this side issued and awaits. */
+interface FramePending {
+  readonly id: number;
+  readonly op: Op;
+  readonly frame: FramePlan;
+  /** The call gave up on it: a late reply is discarded. */
+  cancelled: boolean;
+}
+
+/** An incoming WRITEV: the grants it writes into, or why it was refused. */
+interface IncomingWrite {
+  readonly pinned: TcpGrant[] | undefined;
+  readonly code: string;
+  readonly message: string;
+  readonly range: number;
+}
+
+type Refusal = { readonly code: string; readonly message: string; readonly range: number };
 
 /** One socket of a connection: a parser, the requests it issued, and the requests it serves. */
 class TcpStream implements FrameSink {
@@ -173,20 +392,32 @@ class TcpStream implements FrameSink {
   readonly parser: FrameParser;
   readonly #owner: TcpConnection;
   readonly #transport: TcpTransport;
-  readonly #pending = new Map<number, Pending>();
+  readonly #pending = new Map<number, FramePending>();
+  /** Calls in progress that pin local grants. */
+  readonly #ops = new Set<Op>();
   #nextId = 1;
-  /** READ_REQs waiting while the send queue is above the high-water mark (about 40 bytes each). */
-  readonly #serveQueue: { reqId: number; body: Uint8Array }[] = [];
+  /** READV_REQs waiting while the send queue is above the high-water mark (heads copied). */
+  #serveQueue: { reqId: number; head: Buffer }[] = [];
+  #serveHead = 0;
+  #queuedBytes = 0;
   #sentGoaway = false;
   #receivedGoaway = false;
   #ended = false;
   readonly closed: Promise<void>;
   /** Set by the owning connection once the handshake is complete. */
   established = false;
-  /** onread sockets: where small frames land (many per read); large payloads go direct. */
+  /** onread sockets: where small ranges and control frames land (many per read); large ranges go direct. */
   readonly #staging: Buffer | undefined;
-  /** The caller's memory libuv holds for the next read, when it holds any. */
+  /** The caller's memory libuv holds for the next read, when it holds any, and whose call it is. */
   #handedDirect: Uint8Array | undefined;
+  #handedOp: Op | undefined;
+  /** The frame whose READV_DATA is arriving. */
+  #receiving: FramePending | undefined;
+  #incomingWrite: IncomingWrite | undefined;
+  // Reused per frame by the responder (one frame is served at a time; writes keep their own).
+  readonly #tokenGrants: (TcpGrant | Refusal)[] = [];
+  readonly #writeBuffers: Uint8Array[] = [];
+  #writeTable = new Float64Array(0);
   /** For handshakes: the next control frame goes here. */
   onHandshakeFrame: ((type: FrameType, body: Uint8Array) => void) | undefined;
 
@@ -223,11 +454,18 @@ class TcpStream implements FrameSink {
     }
   }
 
-  /** onread: the buffer for the next read — the destination itself for a large payload, else staging. */
+  /**
+   * onread: the buffer for the next read — the destination itself for a large range, else
+   * staging (only up to where a large range starts, so that range then goes direct).
+   */
   nextReadBuffer(): Uint8Array {
     const direct = this.parser.directTarget(DIRECT_MIN_BYTES);
     this.#handedDirect = direct;
-    return direct ?? (this.#staging as Buffer);
+    this.#handedOp = direct === undefined ? undefined : this.#receiving?.op;
+    if (direct) return direct;
+    const staging = this.#staging as Buffer;
+    const n = this.parser.stagingBytes(staging.length, DIRECT_MIN_BYTES);
+    return n < staging.length ? staging.subarray(0, n) : staging;
   }
 
   /** onread: `n` bytes arrived in the buffer `nextReadBuffer()` handed out. */
@@ -235,6 +473,7 @@ class TcpStream implements FrameSink {
     this.#owner.progress();
     const direct = this.#handedDirect;
     this.#handedDirect = undefined;
+    this.#handedOp = undefined;
     try {
       if (direct) this.parser.commit(n);
       else this.parser.push((this.#staging as Buffer).subarray(0, n));
@@ -244,15 +483,17 @@ class TcpStream implements FrameSink {
     this.afterRead();
   }
 
-  /** True when libuv holds (part of) `dest` as the buffer of its next read. */
-  #holds(dest: Uint8Array | undefined): boolean {
-    const h = this.#handedDirect;
-    return h !== undefined && dest !== undefined && h.buffer === dest.buffer && h.byteOffset >= dest.byteOffset && h.byteOffset < dest.byteOffset + dest.byteLength;
-  }
-
   #protocolError(e: unknown): void {
     const err = toTensorwireError(e, InvalidInputError);
     this.#owner.streamFailed(this, new ConnectionBrokenError(`protocol violation from peer: ${err.message}`, { cause: err }), true);
+  }
+
+  #live(what: string): boolean {
+    if (this.onHandshakeFrame || !this.established) {
+      this.#protocolError(new InvalidInputError(`${what} before the handshake finished`));
+      return false;
+    }
+    return true;
   }
 
   // --- FrameSink -----------------------------------------------------------------------
@@ -262,22 +503,15 @@ class TcpStream implements FrameSink {
       this.onHandshakeFrame(type, body);
       return;
     }
-    if (!this.established) {
-      this.#protocolError(new InvalidInputError(`frame type 0x${type.toString(16)} before the handshake finished`));
-      return;
-    }
+    if (!this.#live(`frame type 0x${type.toString(16)}`)) return;
     switch (type) {
-      case FrameType.ReadReq:
-        if (this.#serveQueue.length > 0 || this.#overHighWater()) this.#serveQueue.push({ reqId, body });
-        else this.#serveRead(reqId, body);
-        return;
-      case FrameType.WriteAck: {
+      case FrameType.WritevAck: {
         const p = this.#pending.get(reqId);
-        if (p && p.kind === 'write') this.#settle(p);
+        if (p && p.op.plan.write) this.#frameDone(p, undefined);
         return;
       }
       case FrameType.Error: {
-        let info: { code: string; message: string };
+        let info: ReturnType<typeof decodeError>;
         try {
           info = decodeError(body);
         } catch (e) {
@@ -285,7 +519,16 @@ class TcpStream implements FrameSink {
           return;
         }
         const p = this.#pending.get(reqId);
-        if (p) this.#settle(p, new RemoteRejectedError(`peer rejected the ${p.kind}: ${info.message}`, { details: { remoteCode: info.code } }));
+        if (!p) return;
+        const { frame, op } = p;
+        const range = info.range !== undefined && info.range < frame.count ? frame.start + info.range : undefined;
+        const details: Record<string, unknown> = { remoteCode: info.code };
+        if (range !== undefined) {
+          details['request'] = op.batch.ranges[range * RANGE_STRIDE + RangeField.Request];
+          details['range'] = range;
+        }
+        const what = op.plan.write ? 'write' : 'read';
+        this.#frameDone(p, new RemoteRejectedError(`peer rejected the ${what}${details['request'] !== undefined ? ` of request ${String(details['request'])}` : ''}: ${info.message}`, { details }));
         return;
       }
       case FrameType.Goaway:
@@ -298,91 +541,189 @@ class TcpStream implements FrameSink {
     }
   }
 
-  readTarget(reqId: number, length: number): Uint8Array | undefined {
+  onReadvRequest(reqId: number, head: Buffer): void {
+    if (!this.#live('READV_REQ')) return;
+    if (this.#serveHead < this.#serveQueue.length || this.#overHighWater()) this.#enqueue(reqId, head);
+    else this.#serveReadv(reqId, head);
+  }
+
+  readvTarget(reqId: number, length: number): ScatterList | undefined {
     const p = this.#pending.get(reqId);
-    if (!p || p.kind !== 'read' || p.cancelled || !p.dest) return undefined;
-    if (p.dest.length !== length) {
-      this.#protocolError(new InvalidInputError(`READ_DATA of ${length} bytes for a request of ${p.dest.length}`));
+    if (!p || p.op.plan.write) return undefined;
+    if (p.frame.bytes !== length) {
+      this.#protocolError(new InvalidInputError(`READV_DATA of ${length} bytes for a request of ${p.frame.bytes}`));
       return undefined;
     }
-    return p.dest;
+    this.#receiving = p;
+    return p.cancelled ? undefined : p.frame.scatter;
+  }
+
+  writevTarget(reqId: number, head: Buffer, length: number): ScatterList | undefined {
+    void reqId;
+    if (!this.#live('WRITEV_REQ')) return undefined;
+    const checked = this.#check(head, length);
+    if (!Array.isArray(checked)) {
+      this.#incomingWrite = { pinned: undefined, ...checked };
+      return undefined;
+    }
+    // Where each range goes: [token index, offset, length] per range; buffers per token.
+    const tokens = headTokenCount(head);
+    const count = headRangeCount(head);
+    const buffers = this.#writeBuffers;
+    buffers.length = tokens;
+    for (let t = 0; t < tokens; t++) {
+      const g = this.#tokenGrants[t];
+      buffers[t] = g instanceof TcpGrant ? g.buffer : EMPTY;
+    }
+    if (this.#writeTable.length < count * 3) this.#writeTable = new Float64Array(Math.max(count, 64) * 3);
+    const table = this.#writeTable;
+    let at = headRangeAt(tokens, 0);
+    for (let i = 0; i < count; i++, at += 16) {
+      table[3 * i] = rangeTokenIndex(head, at);
+      table[3 * i + 1] = rangeOffset(head, at);
+      table[3 * i + 2] = rangeLength(head, at);
+    }
+    for (const g of checked) g.acquire(this);
+    this.#incomingWrite = { pinned: checked, code: '', message: '', range: NO_RANGE };
+    return { buffers, table, stride: 3, bufferField: 0, offsetField: 1, lengthField: 2, first: 0, count };
   }
 
   onDataDone(type: FrameType, reqId: number, discarded: boolean): void {
-    if (type === FrameType.ReadData) {
-      const p = this.#pending.get(reqId);
-      if (p && !discarded) this.#settle(p);
-      else if (p && p.cancelled) this.#forget(p);
+    if (type === FrameType.ReadvData) {
+      const p = this.#receiving;
+      this.#receiving = undefined;
+      if (!p || p.id !== reqId || this.#pending.get(reqId) !== p) return;
+      if (p.cancelled || discarded) this.#forget(p);
+      else this.#frameDone(p, undefined);
       return;
     }
-    // WRITE_REQ data fully received.
+    // WRITEV_REQ data fully received (or discarded).
     const w = this.#incomingWrite;
     this.#incomingWrite = undefined;
     if (!w) return;
-    if (w.grant) {
-      w.grant.release(this);
-      this.#send([frameHeader(FrameType.WriteAck, reqId, 0)]);
+    if (w.pinned) {
+      for (const g of w.pinned) g.release(this);
+      this.#send([frameHeader(FrameType.WritevAck, reqId, 0)]);
     } else {
-      this.#send([encodeError(reqId, w.code, w.message)]);
+      this.#send([encodeError(reqId, w.code, w.message, w.range)]);
     }
-  }
-
-  #incomingWrite: { grant: TcpGrant | undefined; code: string; message: string } | undefined;
-
-  writeTarget(reqId: number, head: Uint8Array, length: number): Uint8Array | undefined {
-    void reqId;
-    if (!this.established || this.onHandshakeFrame) {
-      this.#protocolError(new InvalidInputError('WRITE_REQ before the handshake finished'));
-      return undefined;
-    }
-    let parsed: { token: Uint8Array; offset: number };
-    try {
-      parsed = decodeWriteHead(head);
-    } catch (e) {
-      this.#incomingWrite = { grant: undefined, code: 'BAD_REQUEST', message: e instanceof Error ? e.message : String(e) };
-      return undefined;
-    }
-    const check = this.#transport.checkGrant(parsed.token, parsed.offset, length);
-    if (typeof check === 'string') {
-      this.#incomingWrite = { grant: undefined, code: check.split(':')[0] as string, message: check };
-      return undefined;
-    }
-    check.acquire(this);
-    this.#incomingWrite = { grant: check, code: '', message: '' };
-    return check.buffer.subarray(parsed.offset, parsed.offset + length);
   }
 
   // --- serving -------------------------------------------------------------------------
 
-  #serveRead(reqId: number, body: Uint8Array): void {
-    let req: { token: Uint8Array; offset: number; length: number };
-    try {
-      req = decodeReadReq(body);
-    } catch (e) {
-      this.#send([encodeError(reqId, 'BAD_REQUEST', e instanceof Error ? e.message : String(e))]);
+  /**
+   * Check every range of a vector head: tokens known and live, lengths ≥ 1, inside the grant,
+   * the total within the chunk limit. Returns the grants to pin (one per token), or the first
+   * refusal. Leaves the token lookups in #tokenGrants.
+   */
+  #check(head: Buffer, dataLength: number): TcpGrant[] | Refusal {
+    const tokens = headTokenCount(head);
+    const count = headRangeCount(head);
+    const grants = this.#tokenGrants;
+    grants.length = tokens;
+    for (let t = 0; t < tokens; t++) grants[t] = this.#transport.lookupGrant(head, headTokenAt(t));
+    const max = this.#transport.maxChunkBytes;
+    let total = 0;
+    let at = headRangeAt(tokens, 0);
+    for (let i = 0; i < count; i++, at += 16) {
+      const g = grants[rangeTokenIndex(head, at)] as TcpGrant | Refusal;
+      if (!(g instanceof TcpGrant)) return { code: g.code, message: `range ${i}: ${g.message}`, range: i };
+      const off = rangeOffset(head, at);
+      const len = rangeLength(head, at);
+      if (len === 0) return { code: 'BAD_REQUEST', message: `range ${i} has length 0`, range: i };
+      if (off + len > g.buffer.byteLength) {
+        return { code: 'OUT_OF_BOUNDS', message: `range ${i}: ${off}+${len} exceeds the registration of ${g.buffer.byteLength} bytes`, range: i };
+      }
+      total += len;
+      if (total > max) return { code: 'TOO_LARGE', message: `range ${i}: the frame asks for more than ${max} bytes`, range: i };
+    }
+    if (dataLength >= 0 && total !== dataLength) return { code: 'BAD_REQUEST', message: 'lengths do not match the data', range: NO_RANGE };
+    const pin: TcpGrant[] = [];
+    for (const g of grants) if (g instanceof TcpGrant) pin.push(g);
+    return pin;
+  }
+
+  #serveReadv(reqId: number, head: Buffer): void {
+    const checked = this.#check(head, -1);
+    if (!Array.isArray(checked)) {
+      this.#send([encodeError(reqId, checked.code, checked.message, checked.range)]);
       return;
     }
-    const check = this.#transport.checkGrant(req.token, req.offset, req.length);
-    if (typeof check === 'string') {
-      this.#send([encodeError(reqId, check.split(':')[0] as string, check)]);
-      return;
+    const tokens = headTokenCount(head);
+    const count = headRangeCount(head);
+    const grants = this.#tokenGrants as TcpGrant[]; // every range's token is a grant: checked
+    let total = 0;
+    let small = 0;
+    const first = headRangeAt(tokens, 0);
+    for (let i = 0, at = first; i < count; i++, at += 16) {
+      const len = rangeLength(head, at);
+      total += len;
+      if (len < ZERO_COPY_MIN_BYTES) small += len;
     }
-    check.acquire(this);
-    const data = check.buffer.subarray(req.offset, req.offset + req.length);
-    // The memory is referenced (not copied) by the socket until the write callback.
-    this.#send([frameHeader(FrameType.ReadData, reqId, req.length), data], () => check.release(this));
+    // Small ranges are copied into one send buffer (behind the header); large ones are sent
+    // from the registered memory itself, pinned until the socket has written them.
+    const pool = this.#transport.sendBuffers;
+    const out = pool.take(HEADER_BYTES + small);
+    putHeader(out, 0, FrameType.ReadvData, reqId, total);
+    const parts: Uint8Array[] = [];
+    let pos = HEADER_BYTES;
+    let piece = 0;
+    for (let i = 0, at = first; i < count; i++, at += 16) {
+      const g = grants[rangeTokenIndex(head, at)] as TcpGrant;
+      const off = rangeOffset(head, at);
+      const len = rangeLength(head, at);
+      if (len >= ZERO_COPY_MIN_BYTES) {
+        if (pos > piece) parts.push(out.subarray(piece, pos));
+        piece = pos;
+        parts.push(g.bytes.subarray(off, off + len));
+      } else {
+        g.bytes.copy(out, pos, off, off + len);
+        pos += len;
+      }
+    }
+    if (pos > piece) parts.push(out.subarray(piece, pos));
+    for (const g of checked) g.acquire(this);
+    this.#send(parts, () => {
+      for (const g of checked) g.release(this);
+      pool.give(out);
+    });
   }
 
   #overHighWater(): boolean {
     return this.socket.writableLength > this.#transport.sendHighWaterMark;
   }
 
-  #serveQueued(): void {
-    while (this.#serveQueue.length > 0 && !this.#overHighWater() && !this.socket.destroyed) {
-      const next = this.#serveQueue.shift() as { reqId: number; body: Uint8Array };
-      this.#serveRead(next.reqId, next.body);
+  #enqueue(reqId: number, head: Buffer): void {
+    const t = this.#transport;
+    const queued = this.#serveQueue.length - this.#serveHead;
+    const bytes = this.#queuedBytes + head.length + QUEUED_REQUEST_OVERHEAD;
+    if (queued + 1 > t.maxQueuedRequests || bytes > t.maxQueuedRequestBytes) {
+      const reason = `peer queued ${queued + 1} requests (${bytes} bytes) without reading the replies, over the limit of ${t.maxQueuedRequests} requests or ${t.maxQueuedRequestBytes} bytes`;
+      t.logger?.warn('tcp peer disconnected: request queue over its bound', { peer: this.#owner.peer.nodeId, reason });
+      this.#owner.streamFailed(this, new ConnectionBrokenError(reason), true);
+      return;
     }
-    if (this.#serveQueue.length === 0) this.maybeEnd();
+    this.#queuedBytes = bytes;
+    this.#serveQueue.push({ reqId, head: Buffer.from(head) });
+  }
+
+  #serveQueued(): void {
+    const q = this.#serveQueue;
+    while (this.#serveHead < q.length && !this.#overHighWater() && !this.socket.destroyed) {
+      const next = q[this.#serveHead] as { reqId: number; head: Buffer };
+      q[this.#serveHead++] = undefined as never;
+      this.#queuedBytes -= next.head.length + QUEUED_REQUEST_OVERHEAD;
+      this.#serveReadv(next.reqId, next.head);
+    }
+    if (this.#serveHead >= q.length) {
+      this.#serveQueue = [];
+      this.#serveHead = 0;
+      this.#queuedBytes = 0;
+      this.maybeEnd();
+    } else if (this.#serveHead > 1024 && this.#serveHead * 2 > q.length) {
+      this.#serveQueue = q.slice(this.#serveHead);
+      this.#serveHead = 0;
+    }
   }
 
   #send(parts: Uint8Array[], done?: () => void): void {
@@ -391,72 +732,118 @@ class TcpStream implements FrameSink {
       done?.();
       return;
     }
-    // Everything sent in one tick leaves in one writev: many small requests or replies cost
-    // one syscall, not one each.
-    if (!this.#corked) {
-      this.#corked = true;
-      s.cork();
-      process.nextTick(() => {
-        this.#corked = false;
-        s.uncork();
-      });
-    }
-    for (let i = 0; i < parts.length; i++) {
-      const last = i === parts.length - 1;
-      s.write(parts[i] as Uint8Array, last && done ? () => done() : undefined);
-    }
+    this.#cork();
+    const last = parts.length - 1;
+    for (let i = 0; i < last; i++) s.write(parts[i] as Uint8Array);
+    s.write(parts[last] as Uint8Array, done ? () => done() : undefined);
+  }
+
+  /** Everything sent in one tick leaves in one writev: many frames cost one syscall, not one each. */
+  #cork(): void {
+    if (this.#corked) return;
+    this.#corked = true;
+    const s = this.socket;
+    s.cork();
+    process.nextTick(() => {
+      this.#corked = false;
+      s.uncork();
+    });
   }
 
   #corked = false;
 
   // --- requesting ----------------------------------------------------------------------
 
-  /** Issue every chunk; resolves when all settled; rejects with the first error after all settled. */
-  async run(chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+  /** Issue every frame of the batch; settles once all are answered (or quiesced), rejecting with the first error. */
+  run(batch: TransferBatch, options: ExecuteOptions): Promise<void> {
     if (this.#sentGoaway || this.#receivedGoaway || this.socket.destroyed) {
-      throw new SessionInvalidatedError('connection is retiring or closed; no new requests accepted');
+      return Promise.reject(new SessionInvalidatedError('connection is retiring or closed; no new requests accepted'));
     }
-    const pendings: Pending[] = [];
     const signal = options.signal;
-    if (signal.aborted) throw errorFromSignal(signal, 'transfer');
-    // Check everything before issuing anything: a batch never fails half-sent.
-    for (const c of chunks) {
-      const grant = c.local as TcpGrant;
-      if (!(grant instanceof TcpGrant) || grant.revoked) throw new InvalidInputError('local registration is not a live tcp registration');
-      if (c.localOffset + c.length > grant.buffer.length || c.length > this.#owner.maxChunkBytes) {
-        throw new InvalidInputError(`chunk ${c.localOffset}+${c.length} does not fit the local registration or the connection's chunk limit`);
-      }
-    }
-    for (const c of chunks) {
-      const grant = c.local as TcpGrant;
-      const remote = c.remote as RemoteGrant;
-      const id = this.#allocId();
-      if (c.op === 'read') {
-        const dest = grant.buffer.subarray(c.localOffset, c.localOffset + c.length);
-        grant.acquire(this);
-        const p: Pending = { id, kind: 'read', dest, source: undefined, grant, flushed: true, cancelled: false, done: deferred<void>() };
-        this.#pending.set(id, p);
-        pendings.push(p);
-        this.#send([encodeReadReq(id, remote.token, c.remoteOffset, c.length)]);
-      } else {
-        const source = grant.buffer.subarray(c.localOffset, c.localOffset + c.length);
-        grant.acquire(this);
-        const p: Pending = { id, kind: 'write', dest: undefined, source, grant, flushed: false, cancelled: false, done: deferred<void>() };
-        this.#pending.set(id, p);
-        pendings.push(p);
-        this.#send([encodeWriteHead(id, remote.token, c.remoteOffset, c.length), source], () => this.#flushed(p));
-      }
-    }
-    const onAbort = (): void => this.#cancel(pendings, errorFromSignal(signal, 'transfer'));
-    signal.addEventListener('abort', onAbort, { once: true });
+    if (signal.aborted) return Promise.reject(errorFromSignal(signal, 'transfer'));
+    let plan: BatchPlan;
+    const cap = this.#owner.maxChunkBytes;
     try {
-      const results = await Promise.allSettled(pendings.map((p) => p.done.promise));
-      const failed = results.find((r): r is PromiseRejectedResult => r.status === 'rejected');
-      if (failed) throw failed.reason;
-    } finally {
-      signal.removeEventListener('abort', onAbort);
-      this.maybeEnd();
+      const cached = plans.get(batch);
+      plan = cached !== undefined && cached.cap === cap ? cached : planBatch(batch, cap);
+      if (plan !== cached) plans.set(batch, plan);
+    } catch (e) {
+      return Promise.reject(toTensorwireError(e, InvalidInputError));
     }
+    // Re-checked on every post: a registration may have been revoked since the last one.
+    for (const g of plan.grants) {
+      if (g.revoked) return Promise.reject(new InvalidInputError('local registration is not a live tcp registration'));
+    }
+    if (plan.frames.length === 0) return Promise.resolve();
+    const op: Op = { plan, batch, frames: [], remaining: plan.frames.length, unflushed: 0, error: undefined, cancelError: undefined, settled: false, pinned: true, done: deferred<void>(), signal, onAbort: undefined };
+    for (const g of plan.grants) g.acquire(this);
+    this.#ops.add(op);
+    for (const frame of plan.frames) {
+      const id = this.#allocId();
+      const p: FramePending = { id, op, frame, cancelled: false };
+      op.frames.push(p);
+      this.#pending.set(id, p);
+      if (plan.write) this.#sendWrite(p);
+      else this.#sendRead(p);
+    }
+    if (!op.settled) {
+      op.onAbort = (): void => this.#cancel(op, errorFromSignal(signal, 'transfer'));
+      signal.addEventListener('abort', op.onAbort, { once: true });
+    }
+    return op.done.promise;
+  }
+
+  /** The frame's cached wire bytes with this post's request id, or a copy while the cached ones are queued. */
+  #wire(p: FramePending): Buffer {
+    const f = p.frame;
+    let wire = f.wire;
+    if (f.busy) {
+      wire = Buffer.allocUnsafe(f.wire.length);
+      f.wire.copy(wire, 0, 0, f.headEnd);
+    } else {
+      f.busy = true;
+    }
+    patchRequestId(wire, p.id);
+    return wire;
+  }
+
+  #sendRead(p: FramePending): void {
+    const f = p.frame;
+    const wire = this.#wire(p);
+    this.#send([wire], wire === f.wire ? () => (f.busy = false) : undefined);
+  }
+
+  #sendWrite(p: FramePending): void {
+    const f = p.frame;
+    const op = p.op;
+    const wire = this.#wire(p);
+    const r = op.batch.ranges;
+    const buffers = op.plan.buffers;
+    const parts: Uint8Array[] = [];
+    let pos = f.headEnd;
+    let piece = 0;
+    for (let i = f.start, end = f.start + f.count; i < end; i++) {
+      const at = i * RANGE_STRIDE;
+      const src = buffers[r[at + RangeField.Local] as number] as Buffer;
+      const off = r[at + RangeField.LocalOffset] as number;
+      const len = r[at + RangeField.Length] as number;
+      if (len >= ZERO_COPY_MIN_BYTES) {
+        if (pos > piece) parts.push(wire.subarray(piece, pos));
+        piece = pos;
+        parts.push(src.subarray(off, off + len));
+      } else {
+        src.copy(wire, pos, off, off + len);
+        pos += len;
+      }
+    }
+    if (pos > piece) parts.push(wire.subarray(piece, pos));
+    op.unflushed++;
+    const own = wire === f.wire;
+    this.#send(parts, () => {
+      if (own) f.busy = false;
+      op.unflushed--;
+      this.#unpin(op);
+    });
   }
 
   #allocId(): number {
@@ -465,70 +852,77 @@ class TcpStream implements FrameSink {
     return id;
   }
 
-  #flushed(p: Pending): void {
-    p.flushed = true;
-    if (p.grant && p.kind === 'write') {
-      p.grant.release(this);
-      p.grant = undefined;
-    }
-  }
-
-  #settle(p: Pending, error?: TensorwireError): void {
+  /** A frame was answered (data landed, ACK, or ERROR). */
+  #frameDone(p: FramePending, error: TensorwireError | undefined): void {
     this.#pending.delete(p.id);
-    if (p.kind === 'read' && p.grant) {
-      p.grant.release(this);
-      p.grant = undefined;
+    const op = p.op;
+    if (p.cancelled || op.settled) {
+      this.maybeEnd();
+      return;
     }
-    if (error) p.done.reject(error);
-    else p.done.resolve();
+    if (error && !op.error) op.error = error;
+    if (--op.remaining === 0) this.#settle(op, op.error);
   }
 
-  /** A cancelled request whose late reply has now been discarded. */
-  #forget(p: Pending): void {
+  /** A cancelled frame whose late reply has now been discarded. */
+  #forget(p: FramePending): void {
     this.#pending.delete(p.id);
     this.maybeEnd();
   }
 
+  #settle(op: Op, error: TensorwireError | undefined): void {
+    if (op.settled) return;
+    op.settled = true;
+    if (op.onAbort) op.signal.removeEventListener('abort', op.onAbort);
+    this.#unpin(op);
+    if (error) op.done.reject(error);
+    else op.done.resolve();
+    if (!this.socket.destroyed) this.maybeEnd();
+  }
+
+  /** Release a call's local grants once it has settled and the socket no longer reads its memory. */
+  #unpin(op: Op, force = false): void {
+    if (!op.pinned || (!force && (!op.settled || op.unflushed > 0))) return;
+    op.pinned = false;
+    this.#ops.delete(op);
+    for (const g of op.plan.grants) g.release(this);
+  }
+
   /**
-   * Cancel requests: quiesce first. If the socket may still touch one of their buffers (a
-   * read being received into, a write not yet flushed), the socket is destroyed and the
-   * requests settle when it has closed. Otherwise they settle now and late replies are
-   * discarded by the parser.
+   * Cancel a call: quiesce first. If the socket may still read from its memory (a write not yet
+   * flushed), the socket is destroyed and the call settles when it has closed. If libuv holds one
+   * of its destinations for the next read, the call settles after that read (or the socket is
+   * destroyed if none comes). Otherwise it settles now and late replies are discarded.
    */
-  #cancel(pendings: readonly Pending[], error: TensorwireError): void {
-    const live = pendings.filter((p) => this.#pending.get(p.id) === p && !p.cancelled);
-    if (live.length === 0) return;
-    for (const p of live) p.cancelError = error;
-    if (live.some((p) => p.kind === 'write' && !p.flushed)) {
-      // The socket still holds payload that reads from the caller's memory: only destroying
-      // it stops that. destroy() closes the fd synchronously (uv_close); nothing moves after.
+  #cancel(op: Op, error: TensorwireError): void {
+    if (op.settled || op.cancelError) return;
+    op.cancelError = error;
+    if (op.plan.write && op.unflushed > 0) {
+      // The socket still holds data that reads from the caller's memory: only destroying it
+      // stops that. destroy() closes the fd synchronously (uv_close); nothing moves after.
       this.#owner.streamFailed(this, new ConnectionBrokenError(`stream closed to quiesce a cancelled write (${error.message})`), true);
       return;
     }
-    const receiving = this.parser.receivingInto;
-    const inFlight = receiving === undefined ? undefined : live.find((p) => p.kind === 'read' && p.dest === receiving);
-    if (inFlight) this.parser.detachTarget(); // the rest of this frame is counted, not stored
-    const held = inFlight !== undefined && this.#holds(inFlight.dest) ? inFlight : undefined;
-    for (const p of live) {
-      if (p === held) continue;
-      this.#settleCancelled(p, error);
+    for (const p of op.frames) if (this.#pending.get(p.id) === p) p.cancelled = true;
+    const receiving = this.#receiving;
+    if (receiving !== undefined && receiving.op === op) this.parser.detachTarget(); // the rest of this frame is counted, not stored
+    if (this.#handedDirect === undefined || this.#handedOp !== op) {
+      this.#settle(op, error);
+      return;
     }
-    if (held) {
-      const inFlight = held;
-      // With onread, libuv was already handed this destination for its next read: one more
-      // read may land there. Settle after that read, or, if the peer sends nothing more
-      // within the grace period, destroy the socket to take the buffer back.
-      this.#armed = inFlight;
-      this.#armedTimer = setTimeout(() => {
-        if (this.#armed === inFlight) {
-          this.#armed = undefined;
-          this.#owner.streamFailed(this, new ConnectionBrokenError(`stream closed to quiesce a cancelled read (${error.message})`), true);
-        }
-      }, CANCEL_GRACE_MS);
-    }
+    // With onread, libuv was already handed one of this call's destinations for its next read:
+    // one more read may land there. Settle after that read, or, if the peer sends nothing more
+    // within the grace period, destroy the socket to take the buffer back.
+    this.#armed = op;
+    this.#armedTimer = setTimeout(() => {
+      if (this.#armed === op) {
+        this.#armed = undefined;
+        this.#owner.streamFailed(this, new ConnectionBrokenError(`stream closed to quiesce a cancelled read (${error.message})`), true);
+      }
+    }, CANCEL_GRACE_MS);
   }
 
-  #armed: Pending | undefined;
+  #armed: Op | undefined;
   #armedTimer: NodeJS.Timeout | undefined;
 
   /** revoke() gave up waiting for this socket to stop using a registration. */
@@ -538,37 +932,31 @@ class TcpStream implements FrameSink {
 
   /** Called after every read on an onread socket: the buffer libuv held has been used. */
   afterRead(): void {
-    const p = this.#armed;
-    if (!p) return;
+    const op = this.#armed;
+    if (!op) return;
     this.#armed = undefined;
     clearTimeout(this.#armedTimer);
-    this.#settleCancelled(p, p.cancelError as TensorwireError);
+    this.#settle(op, op.cancelError);
   }
 
-  #settleCancelled(p: Pending, error: TensorwireError): void {
-    p.cancelled = true;
-    if (p.kind === 'read' && p.grant) {
-      p.grant.release(this);
-      p.grant = undefined;
-    }
-    p.done.reject(error);
-  }
-
-  /** Fail every request (the socket is gone or going). Called after the socket is destroyed. */
+  /** Fail every call (the socket is gone or going). Called after the socket is destroyed. */
   failAll(error: TensorwireError): void {
     if (this.#armedTimer) clearTimeout(this.#armedTimer);
     this.#armed = undefined;
-    for (const p of [...this.#pending.values()]) {
-      if (p.grant) {
-        p.grant.release(this);
-        p.grant = undefined;
-      }
-      this.#pending.delete(p.id);
-      if (!p.cancelled) p.done.reject(p.cancelError ?? error);
+    this.#receiving = undefined;
+    this.#handedDirect = undefined;
+    this.#handedOp = undefined;
+    this.#pending.clear();
+    for (const op of [...this.#ops]) {
+      this.#settle(op, op.cancelError ?? error);
+      this.#unpin(op, true);
     }
     const w = this.#incomingWrite;
     this.#incomingWrite = undefined;
-    w?.grant?.release(this);
+    if (w?.pinned) for (const g of w.pinned) g.release(this);
+    this.#serveQueue = [];
+    this.#serveHead = 0;
+    this.#queuedBytes = 0;
   }
 
   // --- retiring ------------------------------------------------------------------------
@@ -596,13 +984,16 @@ class TcpStream implements FrameSink {
       this.#sentGoaway = true;
       this.#send([frameHeader(FrameType.Goaway, 0, 0)]);
     }
-    if (this.#pending.size > 0 || this.#serveQueue.length > 0) return;
+    if (this.#pending.size > 0 || this.#serveHead < this.#serveQueue.length) return;
     this.#ended = true;
     this.socket.end();
   }
 }
 
-/** A connection to one peer: `streams` sockets. It owns all per-peer state. */
+const EMPTY = new Uint8Array(0);
+const REFUSED_REVOKED: Refusal = { code: 'REVOKED', message: 'the grant was revoked', range: NO_RANGE };
+const REFUSED_UNKNOWN: Refusal = { code: 'UNKNOWN_GRANT', message: 'no registration has this token', range: NO_RANGE };
+
 export class TcpConnection implements TransportConnection {
   readonly transport = 'tcp';
   readonly peer: NodeIdentity;
@@ -647,13 +1038,14 @@ export class TcpConnection implements TransportConnection {
     return this.#streams;
   }
 
-  execute(stream: number, chunks: readonly TransferChunk[], options: ExecuteOptions): Promise<void> {
+  execute(stream: number, batch: TransferBatch, options: ExecuteOptions): Promise<void> {
     if (this.#state === 'closing' || this.#state === 'closed') {
       return Promise.reject(new SessionInvalidatedError(`connection to ${this.peer.nodeId} is closed`, { cause: this.#closeError }));
     }
     const s = this.#streams[stream];
     if (!s) return Promise.reject(new InvalidInputError(`stream ${stream} does not exist (connection has ${this.streams})`));
-    return s.run(chunks, options);
+    if (options.deadline <= Date.now()) return Promise.reject(new TimedOutError('transfer timed out before it started'));
+    return s.run(batch, options);
   }
 
   onClose(listener: (error: TensorwireError | undefined) => void): void {
@@ -742,6 +1134,10 @@ export class TcpTransport implements Transport {
   readonly retireTimeoutMs: number;
   readonly sendHighWaterMark: number;
   readonly revokeGraceMs: number;
+  readonly maxQueuedRequests: number;
+  readonly maxQueuedRequestBytes: number;
+  /** @internal */
+  readonly sendBuffers = new SendBufferPool();
   readonly #options: Required<Omit<TcpTransportOptions, 'advertiseHost'>> & { advertiseHost: string | undefined };
   readonly #grants = new Map<string, TcpGrant>();
   readonly #revokedKeys = new Set<string>();
@@ -770,8 +1166,10 @@ export class TcpTransport implements Transport {
       handshakeTimeoutMs: options.handshakeTimeoutMs ?? 10_000,
       retireTimeoutMs: options.retireTimeoutMs ?? 10_000,
       revokeGraceMs: options.revokeGraceMs ?? 2_000,
+      maxQueuedRequests: options.maxQueuedRequests ?? 65_536,
+      maxQueuedRequestBytes: options.maxQueuedRequestBytes ?? 64 * 1024 * 1024,
     };
-    for (const f of ['sendHighWaterMark', 'handshakeTimeoutMs', 'retireTimeoutMs', 'revokeGraceMs'] as const) {
+    for (const f of ['sendHighWaterMark', 'handshakeTimeoutMs', 'retireTimeoutMs', 'revokeGraceMs', 'maxQueuedRequests', 'maxQueuedRequestBytes'] as const) {
       const v = this.#options[f];
       if (!Number.isSafeInteger(v) || v < 1 || v > 0x7fffffff) throw new InvalidInputError(`${f} must be an integer from 1 to 2^31-1, got ${v}`, { details: { field: f } });
     }
@@ -779,6 +1177,8 @@ export class TcpTransport implements Transport {
     this.retireTimeoutMs = this.#options.retireTimeoutMs;
     this.sendHighWaterMark = this.#options.sendHighWaterMark;
     this.revokeGraceMs = this.#options.revokeGraceMs;
+    this.maxQueuedRequests = this.#options.maxQueuedRequests;
+    this.maxQueuedRequestBytes = this.#options.maxQueuedRequestBytes;
     this.capabilities = Object.freeze({
       local: true,
       remote: true,
@@ -804,6 +1204,11 @@ export class TcpTransport implements Transport {
 
   get grantCount(): number {
     return this.#grants.size;
+  }
+
+  /** @internal the engine's logger, once started. */
+  get logger(): Logger | undefined {
+    return this.#logger;
   }
 
   async start(host: TransportHost): Promise<void> {
@@ -887,22 +1292,16 @@ export class TcpTransport implements Transport {
     if (!(payload instanceof Uint8Array) || payload.length !== TOKEN_BYTES) {
       throw new InvalidInputError(`tcp descriptor payload must be ${TOKEN_BYTES} bytes, got ${payload?.length}`, { details: { field: 'payload' } });
     }
-    const grant: RemoteGrant = { token: payload.slice(), byteLength };
-    return grant;
+    if (!Number.isSafeInteger(byteLength) || byteLength < 0) throw new InvalidInputError(`byte length ${byteLength} is not a safe integer`, { details: { field: 'byteLength' } });
+    return new RemoteGrant(payload.slice(), byteLength);
   }
 
-  /** @internal responder-side check: the grant or `CODE: message`. */
-  checkGrant(token: Uint8Array, offset: number, length: number): TcpGrant | string {
-    const key = toHex(token);
+  /** @internal responder side: the live grant whose token is at `at` of `head`, or why there is none. One lookup per token per frame. */
+  lookupGrant(head: Buffer, at: number): TcpGrant | Refusal {
+    const key = head.toString('hex', at, at + TOKEN_BYTES);
     const g = this.#grants.get(key);
-    if (!g) {
-      return this.#revokedKeys.has(key) ? 'REVOKED: the grant was revoked' : 'UNKNOWN_GRANT: no registration has this token';
-    }
-    if (g.revoked) return 'REVOKED: the grant was revoked';
-    if (length === 0 || length > this.maxChunkBytes) return `BAD_REQUEST: length ${length} is out of range`;
-    if (offset + length > g.buffer.byteLength) {
-      return `OUT_OF_BOUNDS: range ${offset}+${length} exceeds the registration of ${g.buffer.byteLength} bytes`;
-    }
+    if (!g) return this.#revokedKeys.has(key) ? REFUSED_REVOKED : REFUSED_UNKNOWN;
+    if (g.revoked) return REFUSED_REVOKED;
     return g;
   }
 
