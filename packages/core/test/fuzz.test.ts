@@ -108,8 +108,8 @@ describe('descriptor and endpoint codecs', () => {
     const d: MemoryDescriptor = { owner: { nodeId: 'cam', incarnation: 'x' }, registrationId: 'block:cam_left:1', memoryKind: 'host', byteLength: 1, transports: new Map([['tcp', new Uint8Array(16)]]) };
     const ok = encodeDescriptor({ ...d, registrationId: 'block:cam:1' });
     const other = ok.slice();
-    other[3] = 2;
-    expect(() => decodeDescriptor(other)).toThrow(/version 2 is not supported/);
+    other[3] = 1;
+    expect(() => decodeDescriptor(other)).toThrow(/version 1 is not supported/);
     // Re-encode by hand with a foreign registration id: the encoder refuses nothing about ownership, the decoder does.
     const foreign = encodeDescriptor(d);
     expect(() => decodeDescriptor(foreign)).toThrow(/does not belong to owner cam/);

@@ -11,7 +11,9 @@
  * across sizes (1 byte, unaligned, 4 KiB, 4 MiB, larger than the chunk cap), batches and
  * many concurrent operations, batches (10,000 tiny ranges, merged adjacent ranges, ranges
  * across chunk boundaries, a bad or revoked entry in the middle), prepared transfers (posted
- * many times, after revoke, after connection loss and peer restart), deadlines and aborts, bad
+ * many times, after revoke, after connection loss and peer restart), range grants (1,000
+ * ranges read by index, forged longer ranges, writes, revocation; skipped with the reason
+ * printed for a transport without `grant`), deadlines and aborts, bad
  * and revoked descriptors, peer death,
  * connection reuse and shared handshakes, simultaneous open, and that 1,000
  * connect/invalidate cycles leak no handles. Requires vitest (a peer dependency).
@@ -325,6 +327,88 @@ export function describeTransportConformance(options: ConformanceOptions): void 
         // The connection to the new incarnation is untouched and works.
         await x.read(y2.endpoint(), [{ local: local.reg, remote: remote2.reg.descriptor }]);
         expect(equal(await local.buf.read(0, 4096), await remote2.buf.read(0, 4096))).toBe(true);
+      });
+    });
+
+    describe('range grants', () => {
+      /** Transports may leave range grants out; then these cases are skipped, saying so. */
+      function needGrants(ctx: { skip: (note?: string) => void }): void {
+        const t = a.transports[0];
+        if (typeof t?.grant !== 'function' || typeof t.revokeGrant !== 'function') {
+          const why = `${options.name} does not implement Transport.grant/revokeGrant`;
+          process.stderr.write(`[tensorwire] skipping range-grant case: ${why}\n`);
+          ctx.skip(why);
+        }
+      }
+
+      it('a grant over 1,000 scattered ranges: range k reads exactly its bytes', async (ctx) => {
+        needGrants(ctx);
+        const n = 1000;
+        const size = 64;
+        const remote = await registered(b, 4 * n * size, 41);
+        const local = await registered(a, n * size);
+        const slots = Array.from({ length: n }, (_, k) => (k * 2731) % (4 * n));
+        const g = await b.grant(slots.map((slot) => ({ registration: remote.reg, offset: slot * size, length: size })));
+        expect(g.rangeCount).toBe(n);
+        await a.read(b.endpoint(), slots.map((_, k) => ({ local: local.reg, localOffset: k * size, remote: g.descriptor, range: k, length: size })));
+        const src = await remote.buf.read(0, 4 * n * size);
+        const dst = await local.buf.read(0, n * size);
+        for (const [k, slot] of slots.entries()) expect(equal(dst.subarray(k * size, (k + 1) * size), src.subarray(slot * size, (slot + 1) * size))).toBe(true);
+        await g.revoke();
+      });
+
+      it('a descriptor forged to claim longer ranges reaches no byte outside the granted ones', async (ctx) => {
+        needGrants(ctx);
+        const remote = await registered(b, 64 * 1024, 42);
+        const local = await registered(a, 8192);
+        const g = await b.grant([
+          { registration: remote.reg, offset: 4096, length: 1024 },
+          { registration: remote.reg, offset: 16384, length: 1024 },
+        ]);
+        const d = decodeDescriptor(g.descriptor);
+        const forged = encodeDescriptor({ ...d, byteLength: d.byteLength + 4096, rangeLengths: Float64Array.of(1024 + 4096, 1024) });
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: forged, range: 0, remoteOffset: 0, length: 1024 + 4096 }]), [ErrorCode.RemoteRejected, ErrorCode.InvalidInput]);
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: forged, range: 0, remoteOffset: 1024, length: 16 }]), [ErrorCode.RemoteRejected, ErrorCode.InvalidInput]);
+        expect((await local.buf.read(0, 8192)).every((x) => x === 0)).toBe(true);
+        // A forged range index beyond the grant's ranges.
+        const more = encodeDescriptor({ ...d, byteLength: d.byteLength + 1024, rangeLengths: Float64Array.of(1024, 1024, 1024) });
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: more, range: 2, length: 1024 }]), [ErrorCode.RemoteRejected, ErrorCode.InvalidInput]);
+        expect((await local.buf.read(0, 8192)).every((x) => x === 0)).toBe(true);
+        // Inside the grant, the forged descriptor still reads what was granted.
+        await a.read(b.endpoint(), [{ local: local.reg, remote: forged, range: 1, length: 1024 }]);
+        expect(equal(await local.buf.read(0, 1024), await remote.buf.read(16384, 1024))).toBe(true);
+        await g.revoke();
+      });
+
+      it('a WRITE through a grant lands in its range only', async (ctx) => {
+        needGrants(ctx);
+        const remote = await registered(b, 16 * 1024);
+        const local = await registered(a, 4096, 43);
+        const g = await b.grant([{ registration: remote.reg, offset: 8192, length: 2048 }]);
+        await a.write(b.endpoint(), [{ local: local.reg, remote: g.descriptor, range: 0, remoteOffset: 100, length: 1000 }]);
+        expect(equal(await remote.buf.read(8292, 1000), await local.buf.read(0, 1000))).toBe(true);
+        expect((await remote.buf.read(0, 8292)).every((x) => x === 0)).toBe(true);
+        expect((await remote.buf.read(9292, 16 * 1024 - 9292)).every((x) => x === 0)).toBe(true);
+        await g.revoke();
+      });
+
+      it('after revoke the grant is RemoteRejected; the registration and other grants keep working; revoking the registration ends its grants', async (ctx) => {
+        needGrants(ctx);
+        const remote = await registered(b, 8192, 44);
+        const local = await registered(a, 8192);
+        const g1 = await b.grant([{ registration: remote.reg, offset: 0, length: 4096 }]);
+        const g2 = await b.grant([{ registration: remote.reg, offset: 4096, length: 4096 }]);
+        await a.read(b.endpoint(), [{ local: local.reg, remote: g1.descriptor, range: 0, length: 4096 }]);
+        await g1.revoke();
+        await local.buf.write(new Uint8Array(8192));
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: g1.descriptor, range: 0, length: 4096 }]), [ErrorCode.RemoteRejected]);
+        expect((await local.buf.read(0, 4096)).every((x) => x === 0)).toBe(true);
+        await a.read(b.endpoint(), [{ local: local.reg, localOffset: 4096, remote: g2.descriptor, range: 0, length: 4096 }]);
+        await a.read(b.endpoint(), [{ local: local.reg, remote: remote.reg.descriptor, length: 4096 }]);
+        expect(equal(await local.buf.read(0, 8192), await remote.buf.read(0, 8192))).toBe(true);
+        await remote.reg.revoke();
+        expect(g2.revoked).toBe(true);
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: g2.descriptor, range: 0, length: 4096 }]), [ErrorCode.RemoteRejected]);
       });
     });
 
