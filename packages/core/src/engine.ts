@@ -1282,8 +1282,9 @@ export class TransferEngine {
         if (broken) this.#invalidateEntry(pc, conn, broken);
         throw broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? (failures[0] as TensorwireError);
       }
-      this.metrics?.bytes.inc({ transport: transport.name, direction: op }, plan.bytes);
-      this.metrics?.operations.inc({ transport: transport.name, direction: op, outcome: 'ok' }, plan.requests);
+      const m = this.#hot(transport.name, op);
+      m?.bytes.inc(plan.bytes);
+      m?.ok.inc(plan.requests);
       return { transport: transport.name, bytes: plan.bytes, chunks: split.chunks, requests: plan.requests, ranges: plan.count };
     } catch (e) {
       const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${plan.ep.identity.nodeId}`) : toTensorwireError(e);
@@ -1292,8 +1293,26 @@ export class TransferEngine {
       throw err;
     } finally {
       pc.inFlight--;
-      this.metrics?.duration.observe({ transport: transport.name, direction: op }, Number(process.hrtime.bigint() - started) / 1e9);
+      this.#hot(transport.name, op)?.duration.observe(Number(process.hrtime.bigint() - started) / 1e9);
     }
+  }
+
+  /** Labelled metric children of the per-post path, made once per transport and direction. */
+  readonly #hotMetrics = new Map<string, { bytes: { inc(v: number): void }; ok: { inc(v: number): void }; duration: { observe(v: number): void } }>();
+  #hot(transport: string, op: 'read' | 'write'): { bytes: { inc(v: number): void }; ok: { inc(v: number): void }; duration: { observe(v: number): void } } | undefined {
+    const metrics = this.metrics;
+    if (!metrics) return undefined;
+    const key = `${transport}/${op}`;
+    let m = this.#hotMetrics.get(key);
+    if (!m) {
+      m = {
+        bytes: metrics.bytes.labels({ transport, direction: op }),
+        ok: metrics.operations.labels({ transport, direction: op, outcome: 'ok' }),
+        duration: metrics.duration.labels({ transport, direction: op }),
+      };
+      this.#hotMetrics.set(key, m);
+    }
+    return m;
   }
 
   async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, batch: TransferBatch, signal: AbortSignal, deadline: number, transfer: object): Promise<void> {
