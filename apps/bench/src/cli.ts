@@ -14,6 +14,8 @@ import { renderTables } from './render.js';
 import { SCHEMA_VERSION } from './schema.js';
 import { SCENARIOS, type ScenarioName } from './scenarios/index.js';
 import { runScenario, runSettings } from './scenarios/run.js';
+import { kvScenario, kvSettings } from './scenarios/kv.js';
+import { TRANSPORT_CHOICES, type TransportChoice } from './transports.js';
 import { startHolder } from './holder.js';
 import { runFetcher } from './fetcher.js';
 import { publishHolder, resolveHolder } from './discovery.js';
@@ -56,6 +58,7 @@ function context(opts: GlobalOptions, signal: AbortSignal): ScenarioContext {
     quick: opts.quick === true,
     ...(sizes ? { sizes } : {}),
     ...(totalBytes !== undefined ? { totalBytes } : {}),
+    compare: opts.compare === true,
     progress(label, done, total) {
       if (!bar) return;
       if (!started) {
@@ -76,8 +79,9 @@ function context(opts: GlobalOptions, signal: AbortSignal): ScenarioContext {
   };
 }
 
-async function compare(results: ScenarioResult[], opts: GlobalOptions): Promise<ScenarioResult[]> {
-  if (!opts.compare) return results;
+async function compare(command: string, results: ScenarioResult[], opts: GlobalOptions): Promise<ScenarioResult[]> {
+  // kv runs its external tools itself, at its own message sizes.
+  if (!opts.compare || command === 'kv') return results;
   const block = 4 * 1024 * 1024;
   const ip = await iperf3(block, opts.quick ? 64 * 1024 * 1024 : 1024 ** 3);
   const ucx = await ucxPerftest(block, opts.quick ? 20 : 200);
@@ -100,6 +104,17 @@ function positive(text: string | undefined, what: string, fallback: number): num
   return v;
 }
 
+function whole(text: string | undefined, what: string): number | undefined {
+  if (text === undefined) return undefined;
+  const v = Number(text);
+  if (!Number.isSafeInteger(v) || v <= 0) throw new BenchError(`${what} ${JSON.stringify(text)} must be a positive whole number`);
+  return v;
+}
+
+function transportOption(): Option {
+  return new Option('--transport <name>', 'transports the requester registers: auto (cuda-ipc and tcp, the engine chooses), or only tcp or cuda-ipc').choices(TRANSPORT_CHOICES).default('auto');
+}
+
 function hostPort(text: string, what: string): { host: string; port: number } {
   const m = /^([A-Za-z0-9.-]+|\[[0-9a-fA-F:]+\]):(\d{1,5})$/.exec(text);
   const port = m ? Number(m[2]) : -1;
@@ -115,7 +130,7 @@ async function execute(command: string, runners: readonly Runner[], opts: Global
   const ctx = context(opts, ac.signal);
   let results: ScenarioResult[] = [];
   for (const run of runners) results.push(await run(ctx));
-  results = await compare(results, opts);
+  results = await compare(command, results, opts);
   const output = {
     schemaVersion: SCHEMA_VERSION,
     tool: 'tensorwire-bench',
@@ -157,9 +172,24 @@ export function program(): Command {
   p.addOption(new Option('--debug', 'print stack traces on errors').hideHelp());
   withGlobals(p.command('run', { isDefault: true }).description('the remote-fetch flow end to end: holder process (pool, lock service, transports) and requester process'))
     .option('--duration <seconds>', 'how long the requester fetches (default 10, 1.5 with --quick)')
-    .action((opts: GlobalOptions & { duration?: string }) =>
-      execute('run', [(ctx) => runScenario(ctx, runSettings(ctx, opts.duration === undefined ? undefined : positive(opts.duration, '--duration', 10) * 1000))], opts),
-    );
+    .addOption(transportOption())
+    .action((opts: GlobalOptions & { duration?: string; transport: TransportChoice }) => {
+      const durationMs = opts.duration === undefined ? undefined : positive(opts.duration, '--duration', 10) * 1000;
+      return execute('run', [(ctx) => runScenario(ctx, runSettings(ctx, durationMs, opts.transport))], opts);
+    });
+  withGlobals(p.command('kv').description('KV-cache shaped fetches: layers × blocks scattered descriptors, same-host and TCP, prepared and not, vs memcpy and a raw stream'))
+    .option('--layers <n>', 'layers per fetch (default 32, 4 with --quick)')
+    .option('--blocks <n>', 'blocks read from each layer (default 32, 8 with --quick)')
+    .option('--batches <list>', 'descriptors per fetch for the batch sweep at 16 KiB (default 64,256,1024,4096)')
+    .option('--rounds <n>', 'interleaved rounds; figures are medians (default 3, 1 with --quick)')
+    .addOption(transportOption())
+    .action((opts: GlobalOptions & { layers?: string; blocks?: string; batches?: string; rounds?: string; transport: TransportChoice }) => {
+      const layers = whole(opts.layers, '--layers');
+      const blocks = whole(opts.blocks, '--blocks');
+      const rounds = whole(opts.rounds, '--rounds');
+      const batches = opts.batches?.split(',').map((b) => whole(b.trim(), '--batches') as number);
+      return execute('kv', [(ctx) => kvScenario(ctx, kvSettings(ctx, { transport: opts.transport, ...(layers ? { layers } : {}), ...(blocks ? { blocks } : {}), ...(rounds ? { rounds } : {}), ...(batches ? { batches } : {}) }))], opts);
+    });
   p.command('holder')
     .description('the holder half of `run`, in the foreground, for a requester on another machine (`fetch --holder`)')
     .option('--listen <host:port>', 'lock service address', '0.0.0.0:7070')
@@ -182,7 +212,7 @@ export function program(): Command {
           })
         : undefined;
       const how = o.discovery ? `--discovery ${o.discovery}` : `--holder ${o.advertise}:${holder.server.port}`;
-      process.stdout.write(`holder ready: lock service on ${host}:${holder.server.port}; fetch with: tensorwire-bench fetch ${how}\n`);
+      process.stdout.write(`holder ready: lock service on ${host}:${holder.server.port}, serving ${holder.transports.join(', ')}; fetch with: tensorwire-bench fetch ${how}\n`);
       await new Promise<void>((resolve) => {
         process.once('SIGINT', resolve);
         process.once('SIGTERM', resolve);
@@ -197,7 +227,8 @@ export function program(): Command {
     .option('--blocks <n>', 'blocks the holder has', '64')
     .option('--block-size <size>', 'bytes per block (as the holder)', '1MiB')
     .option('--duration <seconds>', 'how long to fetch', '10')
-    .action((o: GlobalOptions & { holder?: string; discovery?: string; blocks: string; blockSize: string; duration: string }) => {
+    .addOption(transportOption())
+    .action((o: GlobalOptions & { holder?: string; discovery?: string; blocks: string; blockSize: string; duration: string; transport: TransportChoice }) => {
       if ((o.holder === undefined) === (o.discovery === undefined)) throw new BenchError('fetch needs exactly one of --holder HOST:PORT or --discovery etcd://HOST:PORT');
       if (o.holder !== undefined) hostPort(o.holder, '--holder');
       const blockBytes = parseBytes(o.blockSize, '--block-size');
@@ -214,7 +245,7 @@ export function program(): Command {
               : undefined;
             const lockAddress = resolved?.lockAddress ?? (o.holder as string);
             try {
-              const r = await runFetcher({ lockAddress, blocks, blockBytes, blocksPerFetch: Math.min(8, blocks), durationMs, lanes: 2, signal: ctx.signal }).catch((e: unknown) => {
+              const r = await runFetcher({ lockAddress, blocks, blockBytes, blocksPerFetch: Math.min(8, blocks), durationMs, lanes: 2, transport: o.transport, signal: ctx.signal }).catch((e: unknown) => {
                 throw new BenchError(`cannot fetch from ${lockAddress}: ${e instanceof Error ? e.message : String(e)}`);
               });
               const notes = resolved ? [`holder ${resolved.record.nodeId} (incarnation ${resolved.record.incarnation}) found in ${o.discovery}`, ...r.notes] : r.notes;
@@ -238,10 +269,21 @@ export function program(): Command {
   return p;
 }
 
+/**
+ * `npm run bench -- tcp` runs `cli.js run tcp` (the npm script names `run`, the default
+ * command): a leading `run` followed by another command's name is that command.
+ */
+export function normalizeArgv(argv: readonly string[], commands: readonly string[]): string[] {
+  const [node, script, first, second, ...rest] = argv;
+  if (first === 'run' && second !== undefined && commands.includes(second)) return [node as string, script as string, second, ...rest];
+  return [...argv];
+}
+
 async function main(argv: string[]): Promise<number> {
   const debug = argv.includes('--debug') || process.env['TENSORWIRE_DEBUG'] === '1';
   try {
-    await program().parseAsync(argv);
+    const p = program();
+    await p.parseAsync(normalizeArgv(argv, p.commands.map((c) => c.name())));
     return 0;
   } catch (e) {
     killAllWorkers();

@@ -2,14 +2,17 @@
  * The requester half of `run` (also `tensorwire-bench fetch`): repeatedly lease a random set
  * of blocks on the holder, read them through the engine's chosen transport, verify every
  * byte, release (exactly once, by `await using`). Then the raw-socket and memcpy baselines.
+ * The engine is built with the transports `transport` allows (see transports.ts): by default
+ * cuda-ipc and TCP, so on the holder's host the engine takes the same-host path.
  */
 import net from 'node:net';
-import { TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
+import { TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { LockClient } from '@tensorwire/lock-client';
 import { blockId, blockSeed, decodeBlockGrant } from './fetch-protocol.js';
 import { gbps, nowMs, summarize } from './stats.js';
-import type { Measurement, Ratio } from './types.js';
+import { requesterTransports, type TransportChoice } from './transports.js';
+import { BenchError, type Measurement, type Ratio } from './types.js';
 
 export interface FetchOptions {
   lockAddress: string;
@@ -18,6 +21,8 @@ export interface FetchOptions {
   blocksPerFetch: number;
   durationMs: number;
   lanes: number;
+  /** Which transports the requester's engine registers (default auto: every one it can build). */
+  transport?: TransportChoice;
   signal?: AbortSignal;
   onProgress?: (doneMs: number, totalMs: number) => void;
 }
@@ -38,11 +43,16 @@ function pick(n: number, k: number): number[] {
 }
 
 export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
-  const engine = new TransferEngine({ nodeId: 'bench-requester', transports: [new TcpTransport()], logger: silentLogger });
+  const choice = o.transport ?? 'auto';
+  const built = requesterTransports(choice);
+  const engine = new TransferEngine({ nodeId: 'bench-requester', transports: built.transports, logger: silentLogger });
   const client = new LockClient({ requesterId: 'bench-requester', logger: silentLogger });
   await engine.start();
   const expected = Array.from({ length: o.blocks }, (_, i) => pattern(o.blockBytes, blockSeed(i)));
-  const notes: string[] = [];
+  const notes: string[] = [`requester transports (--transport ${choice}): ${engine.transports.map((t) => t.name).join(', ')}`, ...built.notes];
+  const used = new Set<string>();
+  let chosenTransport: string | undefined;
+  let fatal: BenchError | undefined;
   let failures = 0;
   let fetches = 0;
   let failedFetches = 0;
@@ -64,7 +74,7 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
     let lastProgress = 0;
     await Promise.all(
       lanes.map(async ({ buffer, local }) => {
-        while (nowMs() < end && !o.signal?.aborted) {
+        while (nowMs() < end && !o.signal?.aborted && fatal === undefined) {
           const chosen = pick(o.blocks, o.blocksPerFetch);
           const t0 = nowMs();
           try {
@@ -77,15 +87,21 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
             if (!explained) {
               explained = true;
               const ex = engine.explain(endpoint);
+              chosenTransport = ex.chosen;
+              if (ex.chosen === undefined) {
+                fatal = new BenchError(`no transport (--transport ${choice}) can reach the holder: ${ex.reason}`);
+                return;
+              }
               notes.push(`transport chosen: ${ex.chosen} — ${ex.reason}`);
             }
             buffer.fill(0);
-            await engine.read(
+            const report = await engine.read(
               endpoint,
               grants.map((g, k) => ({ local, localOffset: k * o.blockBytes, remote: g.descriptor, length: o.blockBytes })),
               { deadline: lease.transferDeadline, signal: lease.signal },
             );
             fetchMs.push(nowMs() - t1);
+            used.add(report.transport);
             chosen.forEach((i, k) => {
               if (Buffer.compare(buffer.subarray(k * o.blockBytes, (k + 1) * o.blockBytes), expected[i] as Uint8Array) !== 0) failures++;
             });
@@ -104,10 +120,13 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
         }
       }),
     );
+    if (fatal) throw fatal;
     const elapsed = nowMs() - start;
+    const transport = [...used].join('+') || (chosenTransport ?? 'none');
+    if (used.size > 0 && (used.size !== 1 || !used.has(chosenTransport as string))) notes.push(`transports the engine reported using: ${transport} (explain() said ${chosenTransport})  <-- MISMATCH`);
     const subject = 'leased fetch via engine (lock + read + verify + release)';
     const measurements: Measurement[] = [
-      { name: subject, role: 'subject', blockBytes: o.blockBytes, totalBytes: bytes, gbps: gbps(bytes, elapsed), opsPerSec: fetches / (elapsed / 1000), latency: summarize(fetchMs) },
+      { name: subject, role: 'subject', transport, blockBytes: o.blockBytes, totalBytes: bytes, gbps: gbps(bytes, elapsed), opsPerSec: fetches / (elapsed / 1000), latency: summarize(fetchMs) },
       { name: 'lock acquire (gRPC round trip)', role: 'subject', latency: summarize(lockMs), opsPerSec: lockMs.length / (elapsed / 1000) },
     ];
     // Baselines, same processes, right after: the same bytes over a raw socket, and memcpy.

@@ -1,16 +1,20 @@
 /**
  * The holder half of `run` (also `tensorwire-bench holder`): blocks in a @tensorwire/cuda-ipc
- * host pool filled with a verifiable pattern, the lock service, and the engine's transports.
+ * host pool filled with a verifiable pattern, the lock service, and the engine's transports:
+ * the same-host `cuda-ipc` transport (pool slots are shared memory, so it grants them
+ * zero-copy) and TCP, so a requester on this host takes the fast path and one elsewhere TCP.
  * Each lease registers its blocks with the engine afresh (a new unguessable grant per block per
- * lease) and revokes them when the lease ends, so a peer can only read what its live lease pins.
+ * transport per lease) and revokes them when the lease ends, so a peer can only read what its
+ * live lease pins.
  */
 import net from 'node:net';
-import { TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
+import { TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { TensorPool } from '@tensorwire/cuda-ipc';
 import { LeaseError } from '@tensorwire/lock-client';
 import { startLockServer, type LockServer } from '@tensorwire/lock-client/server';
 import { BLOCK_OWNER, blockSeed, encodeBlockGrant, poolOwner } from './fetch-protocol.js';
+import { holderTransports } from './transports.js';
 
 export interface HolderOptions {
   blocks: number;
@@ -28,6 +32,9 @@ export interface Holder {
   readonly server: LockServer;
   readonly engine: TransferEngine;
   readonly pool: TensorPool;
+  /** Transports the holder serves through, and what it could not serve through and why. */
+  readonly transports: readonly string[];
+  readonly notes: readonly string[];
   counters(): Record<string, number>;
   close(): Promise<void>;
 }
@@ -43,22 +50,19 @@ export async function startHolder(o: HolderOptions): Promise<Holder> {
 }
 
 async function serve(o: HolderOptions, pool: TensorPool): Promise<Holder> {
-  const engine = new TransferEngine({
-    nodeId: 'bench-holder',
-    transports: [new TcpTransport({ host: o.tcpHost, ...(o.advertiseHost ? { advertiseHost: o.advertiseHost } : {}) })],
-    logger: silentLogger,
-  });
+  const { transports, notes } = holderTransports({ host: o.tcpHost, ...(o.advertiseHost ? { advertiseHost: o.advertiseHost } : {}) });
+  const engine = new TransferEngine({ nodeId: 'bench-holder', transports, logger: silentLogger });
   await engine.start();
   const closers: (() => Promise<unknown>)[] = [() => engine.close()];
   try {
-    return await finish(o, pool, engine, closers);
+    return await finish(o, pool, engine, notes, closers);
   } catch (e) {
     for (const c of closers.reverse()) await c().catch(() => undefined);
     throw e;
   }
 }
 
-async function finish(o: HolderOptions, pool: TensorPool, engine: TransferEngine, closers: (() => Promise<unknown>)[]): Promise<Holder> {
+async function finish(o: HolderOptions, pool: TensorPool, engine: TransferEngine, notes: readonly string[], closers: (() => Promise<unknown>)[]): Promise<Holder> {
   const memory: Uint8Array[] = [];
   for (let i = 0; i < o.blocks; i++) {
     const id = await pool.register({ byteLength: o.blockBytes });
@@ -118,6 +122,8 @@ async function finish(o: HolderOptions, pool: TensorPool, engine: TransferEngine
     server,
     engine,
     pool,
+    transports: engine.transports.map((t) => t.name),
+    notes,
     counters() {
       const c = server.counters();
       return { acquired: c.acquired, released: c.released, expired: c.expired, active: c.active, activeBlocks: c.activeBlocks, rejected: c.rejected, liveGrants: grants.size };

@@ -14,9 +14,14 @@ export function renderTables(results: readonly ScenarioResult[]): string {
       for (const n of r.notes) out.push(`  ${n}`);
       continue;
     }
-    const t = new Table({ head: ['measurement', 'role', 'block', 'GB/s', 'ops/s', 'p50 ms', 'p99 ms'], style: { head: [], border: [] } });
+    // Descriptor columns only where a scenario reports descriptors (kv).
+    const desc = r.measurements.some((m) => m.descriptors !== undefined);
+    const head = ['measurement', 'role', 'block', ...(desc ? ['desc'] : []), 'GB/s', ...(desc ? ['desc/s'] : []), 'ops/s', 'p50 ms', 'p99 ms'];
+    const t = new Table({ head, style: { head: [], border: [] } });
     for (const m of r.measurements) {
-      t.push([m.name, m.role, m.blockBytes ? formatBytes(m.blockBytes) : '', fmt(m.gbps), m.opsPerSec ? fmt(m.opsPerSec, 0) : '', fmt(m.latency?.p50Ms, 3), fmt(m.latency?.p99Ms, 3)]);
+      const d = desc ? [m.descriptors === undefined ? '' : String(m.descriptors)] : [];
+      const dps = desc ? [m.descriptorsPerSec === undefined ? '' : fmt(m.descriptorsPerSec, 0)] : [];
+      t.push([m.name, m.role, m.blockBytes ? formatBytes(m.blockBytes) : '', ...d, fmt(m.gbps), ...dps, m.opsPerSec ? fmt(m.opsPerSec, 0) : '', fmt(m.latency?.p50Ms, 3), fmt(m.latency?.p99Ms, 3)]);
     }
     out.push(t.toString());
     if (r.ratios.length > 0) {

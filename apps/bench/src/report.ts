@@ -62,14 +62,26 @@ export function renderHtml(output: { command: string; startedAt: string; machine
   for (const r of output.results) {
     const charts: string[] = [];
     const bySize = new Map<string, Series>();
+    const byBatch = new Map<string, Series>();
     for (const m of r.measurements) {
       if (m.blockBytes === undefined || m.gbps === undefined) continue;
+      // kv: the block-size sweep is one chart, the batch-size sweep (descriptors/s) another.
+      const sweep = m.extra?.['sweep'];
+      if (sweep === 'batch' || sweep === 'size+batch') {
+        const b = byBatch.get(m.name) ?? { name: m.name, points: [] };
+        if (m.descriptors !== undefined && m.descriptorsPerSec !== undefined) b.points.push([m.descriptors, m.descriptorsPerSec / 1e6]);
+        byBatch.set(m.name, b);
+      }
+      if (sweep === 'batch' || sweep === 'plain') continue;
       const s = bySize.get(m.name) ?? { name: m.name, points: [] };
       s.points.push([m.blockBytes, m.gbps]);
       bySize.set(m.name, s);
     }
     if ([...bySize.values()].some((s) => s.points.length > 0)) {
       charts.push(lineChart(`${r.scenario}: GB/s by block size`, [...bySize.values()], 'block size', 'GB/s', true, formatBytes));
+    }
+    if ([...byBatch.values()].some((s) => s.points.length > 0)) {
+      charts.push(lineChart(`${r.scenario}: descriptors per second by batch size`, [...byBatch.values()], 'descriptors per fetch', 'million descriptors/s', true, (x) => String(x)));
     }
     const cdfs: Series[] = [];
     for (const m of r.measurements) {

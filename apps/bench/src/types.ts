@@ -22,6 +22,12 @@ export interface Measurement {
   readonly gbps?: number;
   readonly opsPerSec?: number;
   readonly latency?: LatencySummary;
+  /** Descriptors (ranges) per operation, where an operation moves a list of them (the `kv` scenario). */
+  readonly descriptors?: number;
+  /** Descriptors moved per second. */
+  readonly descriptorsPerSec?: number;
+  /** The transport the engine used for this measurement, where an engine moved the bytes. */
+  readonly transport?: string;
   readonly extra?: Readonly<Record<string, number | string | boolean>>;
 }
 
@@ -30,6 +36,8 @@ export interface Ratio {
   readonly subject: string;
   readonly baseline: string;
   readonly blockBytes?: number;
+  /** Descriptors per operation of both sides, where it matters (the `kv` scenario). */
+  readonly descriptors?: number;
   readonly value: number;
   /** The goal from the issue (e.g. 0.9); `pass` is value >= goal. */
   readonly goal?: number;
@@ -58,6 +66,8 @@ export interface ScenarioContext {
   readonly sizes?: readonly number[];
   /** Total bytes per measurement, when the user gave it. */
   readonly totalBytes?: number;
+  /** `--compare`: a scenario that runs external tools itself (kv) runs them at its own sizes. */
+  readonly compare?: boolean;
   progress(label: string, done: number, total: number): void;
   log(line: string): void;
 }

@@ -1,5 +1,15 @@
+import { readFileSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
 import { noOrphans, runCli, validateOutput } from './helpers.js';
+
+/** The CLI arguments the root `npm run bench` script passes before the user's own (`--` …). */
+function benchScriptArgs(): string[] {
+  const pkg = JSON.parse(readFileSync(new URL('../../../package.json', import.meta.url), 'utf8')) as { scripts: Record<string, string> };
+  const script = pkg.scripts['bench'] as string;
+  const m = /node apps\/bench\/dist\/cli\.js((?: [^&|;]+)?)$/.exec(script);
+  if (!m) throw new Error(`the root bench script ${JSON.stringify(script)} does not end by running apps/bench/dist/cli.js`);
+  return (m[1] ?? '').trim().split(/\s+/).filter(Boolean);
+}
 
 describe('tensorwire-bench CLI', () => {
   it('tcp --quick prints JSON that matches the schema, verified, with its baselines', async () => {
@@ -14,6 +24,26 @@ describe('tensorwire-bench CLI', () => {
     expect(tcp.measurements.some((m) => m.role === 'baseline')).toBe(true);
     expect(tcp.ratios.length).toBeGreaterThan(0);
     expect(await noOrphans(r.marker)).toEqual([]);
+  });
+
+  it('`npm run bench -- <scenario>` runs that scenario (the script\'s own arguments first, then the user\'s)', async () => {
+    const r = await runCli([...benchScriptArgs(), 'rdma', '--quick', '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    const out = JSON.parse(r.stdout) as { command: string; results: { scenario: string }[] };
+    expect(validateOutput(out)).toBeUndefined();
+    expect(out.command).toBe('rdma');
+    expect(out.results.map((x) => x.scenario)).toEqual(['rdma']);
+  });
+
+  it('`npm run bench -- <command> --help` is that command\'s help; `npm run bench -- --help` is run\'s', async () => {
+    const kv = await runCli([...benchScriptArgs(), 'kv', '--help']);
+    expect(kv.code, kv.stderr).toBe(0);
+    expect(kv.stdout).toMatch(/Usage: tensorwire-bench kv/);
+    expect(kv.stdout).toContain('--layers');
+    const run = await runCli([...benchScriptArgs(), '--help']);
+    expect(run.code, run.stderr).toBe(0);
+    expect(run.stdout).toMatch(/Usage: tensorwire-bench run/);
+    expect(run.stdout).toContain('--transport');
   });
 
   it('rdma reports why it cannot run here, or runs where a device exists', async () => {
@@ -46,6 +76,9 @@ describe('tensorwire-bench CLI', () => {
     ['an impossible size', ['tcp', '--sizes', '4XB'], /not a size/],
     ['a zero size', ['tcp', '--sizes', '0'], /positive size/],
     ['an unknown command', ['frob'], /unknown command|too many arguments/],
+    ['`run` before an unknown command', ['run', 'frob'], /unknown command|too many arguments/],
+    ['an unknown transport', ['run', '--transport', 'carrier-pigeon'], /carrier-pigeon.*(invalid|Allowed choices)/],
+    ['a kv batch that is not a number', ['kv', '--batches', '64,lots'], /--batches "lots" must be a positive whole number/],
   ] as const) {
     it(`${label}: one-line error, non-zero exit, no stack trace, no orphans`, async () => {
       const r = await runCli([...args]);

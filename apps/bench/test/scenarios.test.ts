@@ -1,5 +1,10 @@
+import { capabilities } from '@tensorwire/cuda-ipc';
 import { describe, expect, it } from 'vitest';
 import { cmdline, noOrphans, processesWithMarker, runCli, validateOutput } from './helpers.js';
+
+/** The same-host transport needs the cuda-ipc addon's shared memory; everything else runs on TCP. */
+const sameHost = capabilities().sharedMemory.available;
+if (!sameHost) console.log(`same-host (cuda-ipc) expectations skipped: ${capabilities().sharedMemory.reason}`);
 
 interface Out {
   results: {
@@ -7,8 +12,8 @@ interface Out {
     skipped?: string;
     verificationFailures: number;
     counters?: Record<string, number>;
-    measurements: { role: string; name: string }[];
-    ratios: { name: string }[];
+    measurements: { role: string; name: string; transport?: string; blockBytes?: number; descriptors?: number; gbps?: number; descriptorsPerSec?: number }[];
+    ratios: { name: string; goal?: number; pass?: boolean; value: number }[];
     notes: string[];
   }[];
 }
@@ -23,7 +28,7 @@ async function quick(scenario: string, extra: string[] = []): Promise<Out> {
 }
 
 describe('bench scenarios (smoke, tiny sizes)', () => {
-  it('run: the remote-fetch flow verifies every byte and every lease is accounted for', async () => {
+  it('run: the remote-fetch flow verifies every byte and every lease is accounted for, on the same-host path by default', async () => {
     const out = await quick('run');
     const run = out.results[0]!;
     expect(run.scenario).toBe('run');
@@ -31,8 +36,59 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     const c = run.counters!;
     expect(c['acquired']).toBeGreaterThan(0);
     expect(c['acquired']).toBe(c['released']! + c['expired']! + c['active']!);
-    expect(run.notes.some((n) => /^transport chosen: tcp/.test(n))).toBe(true);
+    const want = sameHost ? 'cuda-ipc' : 'tcp';
+    expect(run.notes.some((n) => n.startsWith(`transport chosen: ${want} — `))).toBe(true);
+    expect(run.measurements.find((m) => m.role === 'subject' && m.transport !== undefined)?.transport).toBe(want);
     expect(run.measurements.map((m) => m.name)).toEqual(expect.arrayContaining(['raw node:net stream', 'memcpy (Buffer.copy)']));
+  });
+
+  it('run --transport tcp: the requester registers only TCP and the engine says why it is the one', async () => {
+    const out = await quick('run', ['--transport', 'tcp']);
+    const run = out.results[0]!;
+    expect(run.verificationFailures).toBe(0);
+    expect(run.notes.some((n) => n.startsWith('transport chosen: tcp — '))).toBe(true);
+    expect(run.measurements.find((m) => m.role === 'subject' && m.transport !== undefined)?.transport).toBe('tcp');
+    const c = run.counters!;
+    expect(c['acquired']).toBe(c['released']! + c['expired']! + c['active']!);
+  });
+
+  it('kv: scattered layers × blocks fetches on the same-host transport and TCP, prepared and not, beside memcpy and a raw stream, every byte verified', async () => {
+    const out = await quick('kv');
+    const kv = out.results[0]!;
+    expect(kv.scenario).toBe('kv');
+    expect(kv.verificationFailures).toBe(0);
+    const transports = sameHost ? ['cuda-ipc', 'tcp'] : ['tcp'];
+    for (const t of transports) {
+      for (const name of [`${t}: engine.prepare + run()`, `${t}: engine.read`]) {
+        const rows = kv.measurements.filter((m) => m.name === name);
+        expect(rows.length, name).toBeGreaterThan(0);
+        for (const m of rows) {
+          expect(m.transport).toBe(t);
+          expect(m.gbps).toBeGreaterThan(0);
+          expect(m.descriptorsPerSec).toBeGreaterThan(0);
+          expect(m.descriptors).toBeGreaterThan(0);
+        }
+      }
+    }
+    if (!sameHost) expect(kv.measurements.some((m) => m.transport === 'cuda-ipc')).toBe(false);
+    for (const b of ['raw node:net stream (same byte count)', 'memcpy (Buffer.copy per descriptor, JS loop)']) {
+      expect(kv.measurements.filter((m) => m.name === b && m.role === 'baseline').length, b).toBeGreaterThan(0);
+    }
+    // Ratio rows with the issue's goals: 4 KiB, 64 KiB and the plain 1 × 4 MiB read.
+    const goals = kv.ratios.filter((r) => r.goal !== undefined).map((r) => r.name);
+    expect(goals).toEqual(expect.arrayContaining(['tcp prepared/raw @ 4 KiB × 32', 'tcp prepared/raw @ 64 KiB × 32', 'tcp prepared/raw @ 4 MiB × 1']));
+    if (sameHost) expect(goals).toEqual(expect.arrayContaining(['same-host prepared/memcpy @ 4 KiB × 32', 'same-host prepared/memcpy @ 64 KiB × 32', 'same-host prepared/memcpy @ 4 MiB × 1']));
+    if (sameHost) expect(kv.notes.some((n) => /^same-host engine \(cuda-ipc, tcp\): transport chosen: cuda-ipc — /.test(n))).toBe(true);
+  });
+
+  it('kv --transport tcp: only TCP rows', async () => {
+    const out = await quick('kv', ['--transport', 'tcp', '--batches', '32']);
+    const kv = out.results[0]!;
+    expect(kv.verificationFailures).toBe(0);
+    const engines = kv.measurements.filter((m) => m.role === 'subject');
+    expect(engines.length).toBeGreaterThan(0);
+    expect(new Set(engines.map((m) => m.transport))).toEqual(new Set(['tcp']));
+    expect(kv.ratios.some((r) => r.name.startsWith('same-host'))).toBe(false);
   });
 
   it('locks: cycles beside the gRPC echo baseline; killed requesters are expired and counted', async () => {

@@ -123,9 +123,12 @@ export const RANGE_STRIDE = 7;
  */
 export interface TransferBatch {
   readonly op: 'read' | 'write';
-  /** Distinct local registration handles ({@link TransportRegistration.handle}). */
+  /**
+   * Distinct local registration handles ({@link TransportRegistration.handle}). The streams of
+   * one transfer share these tables, so an entry may be one that no range of this batch uses.
+   */
   readonly locals: readonly object[];
-  /** Distinct decoded remotes (what {@link Transport.decodeRemote} returned). */
+  /** Distinct decoded remotes (what {@link Transport.decodeRemote} returned); shared likewise. */
   readonly remotes: readonly unknown[];
   /** Number of ranges. */
   readonly count: number;

@@ -14,4 +14,4 @@ ipc.onMessage((m) => {
   if (m['type'] === 'counters') ipc.send({ type: 'counters', counters: holder.counters() });
   if (m['type'] === 'stop') void holder.close().finally(() => process.exit(0));
 });
-ipc.send({ type: 'ready', lockAddress: holder.lockAddress });
+ipc.send({ type: 'ready', lockAddress: holder.lockAddress, transports: holder.transports, notes: holder.notes });

@@ -1,9 +1,10 @@
-/** Child process: the requester of `run`. argv: lockAddress blocks blockBytes blocksPerFetch durationMs lanes */
+/** Child process: the requester of `run`. argv: lockAddress blocks blockBytes blocksPerFetch durationMs lanes transport */
 import { runFetcher } from '../fetcher.js';
 import { workerInit } from '../proc.js';
+import { isTransportChoice } from '../transports.js';
 
 const ipc = workerInit();
-const [lockAddress, blocks, blockBytes, blocksPerFetch, durationMs, lanes] = process.argv.slice(2);
+const [lockAddress, blocks, blockBytes, blocksPerFetch, durationMs, lanes, transport] = process.argv.slice(2);
 try {
   const result = await runFetcher({
     lockAddress: lockAddress as string,
@@ -12,6 +13,7 @@ try {
     blocksPerFetch: Number(blocksPerFetch),
     durationMs: Number(durationMs),
     lanes: Number(lanes),
+    transport: isTransportChoice(transport) ? transport : 'auto',
     onProgress: (done, total) => ipc.send({ type: 'progress', done, total }),
   });
   ipc.send({ type: 'result', result });

@@ -1,0 +1,107 @@
+/**
+ * The shape of the `kv` scenario's fetches, as a paged KV cache lays them out: the holder's
+ * region holds `layers` layers, each of `slots` block slots of `blockBytes`; block `b` of layer
+ * `l` lives at `(l * slots + b) * blockBytes`. One fetch reads the same `blocks` block ids from
+ * every layer (a sequence's blocks), layer-major, into a contiguous local buffer: descriptor
+ * `i = l * blocks + k` lands at `i * blockBytes`.
+ *
+ * Block ids are random and chosen so that no two consecutive descriptors are adjacent in the
+ * region (no `id[k+1] = id[k] + 1`, and no run from the last slot of one layer into slot 0 of
+ * the next): the engine merges adjacent requests, and this scenario measures the unmerged case.
+ */
+import { BenchError } from './types.js';
+
+export interface KvShape {
+  readonly blockBytes: number;
+  readonly layers: number;
+  /** Blocks read from each layer. */
+  readonly blocks: number;
+}
+
+/** Descriptors per fetch. */
+export function descriptorsOf(s: KvShape): number {
+  return s.layers * s.blocks;
+}
+
+/** Bytes per fetch. */
+export function bytesOf(s: KvShape): number {
+  return s.layers * s.blocks * s.blockBytes;
+}
+
+/** Block slots per layer a region of `regionBytes` gives this shape. */
+export function slotsPerLayer(s: KvShape, regionBytes: number): number {
+  return Math.floor(regionBytes / (s.layers * s.blockBytes));
+}
+
+/** Smallest region in which this shape can be scattered (two slots per block, plus two). */
+export function regionNeeded(s: KvShape): number {
+  return s.layers * s.blockBytes * (2 * s.blocks + 2);
+}
+
+/** A small seeded PRNG (mulberry32): the same seed gives the same scatter in every process. */
+export function rng(seed: number): () => number {
+  let a = seed >>> 0;
+  return () => {
+    a = (a + 0x6d2b79f5) >>> 0;
+    let t = a;
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  };
+}
+
+/**
+ * Remote offsets of one fetch, in descriptor order (layer-major), as a Float64Array: distinct
+ * random block ids, none adjacent to the one before it in the region. Throws BenchError when
+ * the region is too small for the shape.
+ */
+export function scatter(s: KvShape, regionBytes: number, random: () => number): Float64Array {
+  const slots = slotsPerLayer(s, regionBytes);
+  if (slots < 2 * s.blocks + 2) {
+    throw new BenchError(`a region of ${regionBytes} bytes is too small to scatter ${s.layers} layers × ${s.blocks} blocks of ${s.blockBytes} bytes`);
+  }
+  const ids: number[] = [];
+  const used = new Set<number>();
+  for (let k = 0; k < s.blocks; k++) {
+    for (let tries = 0; ; tries++) {
+      if (tries > 10_000) throw new BenchError(`could not scatter ${s.blocks} blocks over ${slots} slots`);
+      const id = Math.floor(random() * slots);
+      if (used.has(id)) continue;
+      if (k > 0 && id === (ids[k - 1] as number) + 1) continue;
+      // The last block of layer l must not run into the first block of layer l+1.
+      if (k === s.blocks - 1 && s.layers > 1 && id === slots - 1 && ids[0] === 0) continue;
+      ids.push(id);
+      used.add(id);
+      break;
+    }
+  }
+  const out = new Float64Array(s.layers * s.blocks);
+  for (let l = 0; l < s.layers; l++) {
+    for (let k = 0; k < s.blocks; k++) out[l * s.blocks + k] = (l * slots + (ids[k] as number)) * s.blockBytes;
+  }
+  return out;
+}
+
+/** Index of the first descriptor that continues the one before it in the region (mergeable), or -1. */
+export function firstAdjacent(offsets: Float64Array, blockBytes: number): number {
+  for (let i = 1; i < offsets.length; i++) if ((offsets[i - 1] as number) + blockBytes === offsets[i]) return i;
+  return -1;
+}
+
+/** What the kv requester measures: the engine on each transport, prepared or not, and the two baselines. */
+export type KvMethod = 'same-host-prepared' | 'same-host-read' | 'tcp-prepared' | 'tcp-read' | 'raw' | 'memcpy';
+
+export interface KvMethodResult {
+  readonly method: KvMethod;
+  /** Sum of the timed fetch calls. */
+  readonly ms: number;
+  readonly fetches: number;
+  readonly bytes: number;
+  readonly descriptors: number;
+  readonly latencies: number[];
+  readonly failures: number;
+  readonly transport?: string;
+  readonly prepareMs?: number;
+  /** Ranges of the prepared transfer after the engine merged adjacent requests. */
+  readonly ranges?: number;
+}

@@ -1,0 +1,254 @@
+/**
+ * `kv`: fetches shaped like KV-cache reads. A holder process keeps one large pattern-filled
+ * region (a shared segment, registered once with an engine serving cuda-ipc and TCP); a
+ * requester process reads `layers × blocks` descriptors of `blockBytes` scattered across it
+ * (see kv-shape.ts) per fetch, one fetch at a time, through the engine on the same-host
+ * transport and on TCP, prepared (`engine.prepare` once, `run()` per fetch) and unprepared
+ * (`engine.read` per fetch), every byte verified (see workers/kv-requester.ts).
+ *
+ * Baselines in the same process pair, interleaved with the subjects in every round: memcpy of
+ * the same scatter (Buffer.copy per descriptor, a JS loop, in the requester) and a raw
+ * node:net stream of the same byte count from the holder. With `--compare`, ucx_perftest
+ * `ucp_get` at the same message sizes over UCX `posix` and `tcp`.
+ */
+import { spawnWorker } from '../proc.js';
+import { ucxPerftest } from '../external.js';
+import { bytesOf, descriptorsOf, regionNeeded, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
+import { gbps, median, summarize } from '../stats.js';
+import { sameHostUnavailable, type TransportChoice } from '../transports.js';
+import { BenchError, type Measurement, type Ratio, type ScenarioContext, type ScenarioResult } from '../types.js';
+import { formatBytes } from '../units.js';
+
+const KiB = 1024;
+const MiB = 1024 * 1024;
+const SEED = 4242;
+
+export interface KvConfig extends KvShape {
+  /** Which sweep the shape belongs to: block size, batch size (both when shared), or the plain 1 × 4 MiB read. */
+  readonly sweep: 'size' | 'batch' | 'size+batch' | 'plain';
+}
+
+export interface KvSettings {
+  readonly configs: readonly KvConfig[];
+  readonly regionBytes: number;
+  readonly maxRequestBytes: number;
+  readonly rounds: number;
+  /** Bytes each method moves per configuration per round (timed fetches = this / fetch bytes, clamped). */
+  readonly targetBytes: number;
+  readonly minFetches: number;
+  readonly transport: TransportChoice;
+  readonly compare: boolean;
+}
+
+export interface KvOptions {
+  layers?: number;
+  blocks?: number;
+  /** Descriptors per fetch for the batch sweep (at 16 KiB). */
+  batches?: readonly number[];
+  rounds?: number;
+  transport?: TransportChoice;
+}
+
+export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings {
+  const layers = o.layers ?? (ctx.quick ? 4 : 32);
+  const blocks = o.blocks ?? (ctx.quick ? 8 : 32);
+  const sizes = ctx.sizes ?? (ctx.quick ? [4 * KiB, 64 * KiB] : [4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB]);
+  const batches = o.batches ?? (ctx.quick ? [64] : [64, 256, 1024, 4096]);
+  // The size sweep keeps a fetch at most this big by reading fewer blocks (then fewer layers) at large sizes.
+  const cap = ctx.quick ? 2 * MiB : 64 * MiB;
+  const configs: KvConfig[] = [];
+  const add = (c: KvConfig): void => {
+    const same = configs.findIndex((x) => x.blockBytes === c.blockBytes && x.layers === c.layers && x.blocks === c.blocks);
+    if (same < 0) configs.push(c);
+    else if (configs[same]?.sweep !== c.sweep) configs[same] = { ...(configs[same] as KvConfig), sweep: 'size+batch' };
+  };
+  for (const s of sizes) {
+    const limit = Math.max(cap, s);
+    const l = Math.min(layers, Math.max(1, Math.floor(limit / s)));
+    add({ blockBytes: s, layers: l, blocks: Math.min(blocks, Math.max(1, Math.floor(limit / (l * s)))), sweep: 'size' });
+  }
+  for (const d of batches) {
+    const l = Math.min(layers, d);
+    add({ blockBytes: 16 * KiB, layers: l, blocks: Math.max(1, Math.round(d / l)), sweep: 'batch' });
+  }
+  add({ blockBytes: 4 * MiB, layers: 1, blocks: 1, sweep: 'plain' });
+  const needed = Math.max(ctx.quick ? 16 * MiB : 256 * MiB, ...configs.map(regionNeeded));
+  const regionBytes = Math.ceil(needed / MiB) * MiB;
+  if (regionBytes > 4 * 1024 * MiB) throw new BenchError(`kv shapes need a ${formatBytes(regionBytes)} holder region (4 GiB at most): use smaller --sizes, --layers or --blocks`);
+  const rounds = o.rounds ?? (ctx.quick ? 1 : 3);
+  return {
+    configs,
+    regionBytes,
+    maxRequestBytes: Math.max(...configs.map(bytesOf)),
+    rounds,
+    targetBytes: ctx.totalBytes ?? (ctx.quick ? 1 * MiB : 32 * MiB),
+    minFetches: 2,
+    transport: o.transport ?? 'auto',
+    compare: ctx.compare === true,
+  };
+}
+
+const NAMES: Record<KvMethod, (transport: string) => string> = {
+  'same-host-prepared': (t) => `${t}: engine.prepare + run()`,
+  'same-host-read': (t) => `${t}: engine.read`,
+  'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
+  'tcp-read': (t) => `${t}: engine.read`,
+  raw: () => 'raw node:net stream (same byte count)',
+  memcpy: () => 'memcpy (Buffer.copy per descriptor, JS loop)',
+};
+
+/** Goals from the issue, by ratio kind and shape. */
+function goal(kind: 'same-host' | 'tcp', c: KvConfig): number | undefined {
+  if (c.sweep === 'plain') return kind === 'same-host' ? 0.9 : 0.8;
+  if (c.sweep === 'batch') return undefined;
+  if (c.blockBytes === 4 * KiB) return 0.5;
+  if (c.blockBytes === 64 * KiB) return 0.8;
+  return undefined;
+}
+
+function label(c: KvConfig): string {
+  return `${formatBytes(c.blockBytes)} × ${descriptorsOf(c)}`;
+}
+
+export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSettings(ctx)): Promise<ScenarioResult> {
+  const unavailable = sameHostUnavailable();
+  if (unavailable !== undefined && s.transport === 'cuda-ipc') {
+    return { scenario: 'kv', skipped: `--transport cuda-ipc: the same-host transport is unavailable here (${unavailable})`, measurements: [], ratios: [], verificationFailures: 0, notes: [] };
+  }
+  const holder = spawnWorker('kv-holder', [String(s.regionBytes), String(SEED), unavailable === undefined ? '1' : '0']);
+  let requester: ReturnType<typeof spawnWorker> | undefined;
+  try {
+    const ready = await holder.next<{ endpoint: string; descriptor: string; rawPort: number; transports: string[]; notes: string[] }>((m) => m['type'] === 'ready', ctx.signal);
+    const cfg = { endpoint: ready.endpoint, descriptor: ready.descriptor, rawPort: ready.rawPort, regionBytes: s.regionBytes, seed: SEED, maxRequestBytes: s.maxRequestBytes, transport: s.transport };
+    requester = spawnWorker('kv-requester', [Buffer.from(JSON.stringify(cfg)).toString('base64')]);
+    const req = requester;
+    const hello = await req.next<{ type: string; lanes: ('same-host' | 'tcp')[]; transports: Record<string, string>; notes: string[]; message?: string }>((m) => m['type'] === 'ready' || m['type'] === 'error', ctx.signal);
+    if (hello.type === 'error') throw new BenchError(`the kv requester failed: ${hello.message}`);
+    const methods: KvMethod[] = [];
+    for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`);
+    methods.push('raw', 'memcpy');
+    if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
+    const transportOf = (m: KvMethod): string => (m.startsWith('same-host') ? (hello.transports['same-host'] as string) : m.startsWith('tcp') ? (hello.transports['tcp'] as string) : '');
+
+    // rounds × configs, each measuring every method once, in an order that alternates per round.
+    const rows = new Map<string, KvMethodResult[]>(); // `${config index}/${method}` -> one result per round
+    const steps = s.rounds * s.configs.length;
+    let done = 0;
+    let id = 0;
+    for (let r = 0; r < s.rounds; r++) {
+      for (const [ci, c] of s.configs.entries()) {
+        const fetches = Math.min(1000, Math.max(s.minFetches, Math.ceil(s.targetBytes / bytesOf(c))));
+        const order = (r + ci) % 2 === 0 ? methods : [...methods].reverse();
+        const rid = ++id;
+        req.send({ type: 'measure', id: rid, shape: { blockBytes: c.blockBytes, layers: c.layers, blocks: c.blocks }, seed: SEED + 7919 * (r * s.configs.length + ci + 1), fetches, order });
+        const res = await req.next<{ type: string; results?: KvMethodResult[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
+        if (res.type === 'error' || !res.results) throw new BenchError(`kv ${label(c)} failed: ${res.message ?? 'no result'}`);
+        for (const x of res.results) {
+          const key = `${ci}/${x.method}`;
+          rows.set(key, [...(rows.get(key) ?? []), x]);
+        }
+        ctx.progress('kv', ++done, steps);
+      }
+    }
+
+    const measurements: Measurement[] = [];
+    const ratios: Ratio[] = [];
+    let failures = 0;
+    const failedAt: string[] = [];
+    const gbpsOf = new Map<string, number>();
+    for (const [ci, c] of s.configs.entries()) {
+      for (const m of methods) {
+        const runs = rows.get(`${ci}/${m}`) ?? [];
+        const failed = runs.reduce((t, x) => t + x.failures, 0);
+        failures += failed;
+        if (failed > 0) failedAt.push(`${NAMES[m](transportOf(m))} @ ${label(c)}: ${failed}`);
+        const g = median(runs.map((x) => gbps(x.bytes, x.ms)));
+        gbpsOf.set(`${ci}/${m}`, g);
+        const transport = runs[0]?.transport ?? transportOf(m);
+        if (transport && m !== 'raw' && m !== 'memcpy' && runs.some((x) => x.transport !== transportOf(m))) {
+          throw new BenchError(`kv ${label(c)}: the engine used ${runs.map((x) => x.transport).join(', ')} where explain() chose ${transportOf(m)}`);
+        }
+        const prepare = runs.filter((x) => x.prepareMs !== undefined).map((x) => x.prepareMs as number);
+        const ranges = runs.find((x) => x.ranges !== undefined)?.ranges;
+        measurements.push({
+          name: NAMES[m](transportOf(m)),
+          role: m === 'raw' || m === 'memcpy' ? 'baseline' : 'subject',
+          blockBytes: c.blockBytes,
+          descriptors: descriptorsOf(c),
+          totalBytes: runs.reduce((t, x) => t + x.bytes, 0),
+          gbps: g,
+          opsPerSec: median(runs.map((x) => x.fetches / (x.ms / 1000))),
+          descriptorsPerSec: median(runs.map((x) => x.descriptors / (x.ms / 1000))),
+          ...(m !== 'raw' && m !== 'memcpy' ? { transport } : {}),
+          latency: summarize(runs.flatMap((x) => x.latencies)),
+          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}) },
+        });
+      }
+      for (const [lane, baseline, kind] of [
+        ['same-host', 'memcpy', 'same-host'],
+        ['tcp', 'raw', 'tcp'],
+      ] as const) {
+        if (!hello.lanes.includes(lane)) continue;
+        for (const variant of ['prepared', 'read'] as const) {
+          const m: KvMethod = `${lane}-${variant}`;
+          const value = (gbpsOf.get(`${ci}/${m}`) as number) / (gbpsOf.get(`${ci}/${baseline}`) as number);
+          const g = goal(kind, c);
+          ratios.push({
+            name: `${lane} ${variant === 'prepared' ? 'prepared' : 'engine.read'}/${baseline} @ ${label(c)}`,
+            subject: NAMES[m](transportOf(m)),
+            baseline: NAMES[baseline](''),
+            blockBytes: c.blockBytes,
+            descriptors: descriptorsOf(c),
+            value,
+            ...(g !== undefined ? { goal: g, pass: value >= g } : {}),
+          });
+        }
+      }
+    }
+
+    const notes: string[] = [
+      `holder region: ${formatBytes(s.regionBytes)} (${unavailable === undefined ? 'a shared segment from allocateSharedMemory' : 'process memory'}), registered once with ${ready.transports.join(', ')}`,
+      ...ready.notes,
+      ...hello.notes,
+      'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
+      `each method, per shape and round: 1 untimed warm-up fetch, then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round`,
+      'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
+      'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
+      'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call)',
+      'raw baseline: the holder writes the same byte count per fetch from its region as one contiguous run over one node:net socket (slices of at most 4 MiB), received straight into the destination with onread: no per-descriptor work, a ceiling for TCP',
+    ];
+    if (unavailable !== undefined) notes.push(`same-host transport unavailable here: ${unavailable}`);
+    if (failedAt.length > 0) notes.push(`descriptors that failed verification: ${failedAt.join('; ')}`);
+
+    if (s.compare) {
+      const sizes = [...new Set(s.configs.filter((c) => c.sweep !== 'batch').map((c) => c.blockBytes))];
+      for (const size of sizes) {
+        const ucx = await ucxPerftest(size, Math.min(4000, Math.max(ctx.quick ? 20 : 100, Math.floor((ctx.quick ? 8 * MiB : 128 * MiB) / size))));
+        notes.push(...ucx.notes.map((n) => `${formatBytes(size)}: ${n}`));
+        measurements.push(...ucx.measurements);
+        const ci = s.configs.findIndex((c) => c.blockBytes === size && c.sweep !== 'batch');
+        const c = s.configs[ci] as KvConfig;
+        for (const m of ucx.measurements) {
+          const tcp = /over tcp/.test(m.name);
+          const lane = tcp ? 'tcp' : 'same-host';
+          if (!hello.lanes.includes(lane)) continue;
+          const ours = gbpsOf.get(`${ci}/${lane}-prepared`) as number;
+          const value = ours / (m.gbps as number);
+          const g = tcp ? 3 : size === 64 * KiB || size === 4 * MiB ? 1 : undefined;
+          ratios.push({ name: `${lane} prepared/${m.name} @ ${formatBytes(size)}`, subject: NAMES[`${lane}-prepared`](transportOf(`${lane}-prepared`)), baseline: m.name, blockBytes: size, descriptors: descriptorsOf(c), value, ...(g !== undefined ? { goal: g, pass: value >= g } : {}) });
+        }
+      }
+      notes.push(`UCX: ucx_perftest -t ucp_get with the message size = the block size, on loopback, right after the rounds above; ratios use the prepared engine path at the same block size (the size sweep's shape, 1 × 4 MiB at 4 MiB); ucx_perftest gets one buffer over and over (cache-resident at small sizes) where the kv fetches scatter over ${formatBytes(s.regionBytes)}`);
+    }
+    return { scenario: 'kv', measurements, ratios, verificationFailures: failures, notes };
+  } finally {
+    requester?.send({ type: 'stop' });
+    holder.send({ type: 'stop' });
+    const stop = setTimeout(() => {
+      requester?.kill();
+      holder.kill();
+    }, 3000);
+    await Promise.allSettled([holder.exited, requester?.exited]);
+    clearTimeout(stop);
+  }
+}

@@ -1,0 +1,53 @@
+/**
+ * Which transports the bench's engines are built with. A holder serves through every transport
+ * it can (the same-host `cuda-ipc` transport of @tensorwire/cuda-ipc and the engine's TCP
+ * transport); a requester registers the ones `--transport` allows, and the engine chooses
+ * among them per peer (it says which and why in `explain()`).
+ */
+import { TcpTransport, type TcpTransportOptions, type Transport } from '@tensorwire/core';
+import { CudaIpcTransport, capabilities } from '@tensorwire/cuda-ipc';
+import { BenchError } from './types.js';
+
+export const TRANSPORT_CHOICES = ['auto', 'tcp', 'cuda-ipc'] as const;
+/** `auto`: every transport this process can build, the engine chooses; otherwise only that one. */
+export type TransportChoice = (typeof TRANSPORT_CHOICES)[number];
+
+export function isTransportChoice(text: unknown): text is TransportChoice {
+  return typeof text === 'string' && (TRANSPORT_CHOICES as readonly string[]).includes(text);
+}
+
+/** Why the same-host transport cannot be built in this process, or undefined when it can. */
+export function sameHostUnavailable(): string | undefined {
+  const caps = capabilities();
+  return caps.sharedMemory.available ? undefined : (caps.sharedMemory.reason ?? 'shared memory unavailable');
+}
+
+/**
+ * Transports for a holder: cuda-ipc (when this machine can build it) and TCP. `notes` says
+ * what was left out and why.
+ */
+export function holderTransports(tcp: TcpTransportOptions = {}): { transports: Transport[]; notes: string[] } {
+  const why = sameHostUnavailable();
+  const transports: Transport[] = [];
+  if (why === undefined) transports.push(new CudaIpcTransport());
+  transports.push(new TcpTransport(tcp));
+  return { transports, notes: why === undefined ? [] : [`holder serves TCP only: the same-host transport is unavailable (${why})`] };
+}
+
+/**
+ * Transports for a requester engine under `choice`. `auto` registers cuda-ipc (when it can be
+ * built here) and TCP and lets the engine choose; `tcp` / `cuda-ipc` registers only that one.
+ * Throws BenchError when `cuda-ipc` is asked for and cannot be built.
+ */
+export function requesterTransports(choice: TransportChoice, tcp: TcpTransportOptions = {}): { transports: Transport[]; notes: string[] } {
+  const why = sameHostUnavailable();
+  if (choice === 'cuda-ipc') {
+    if (why !== undefined) throw new BenchError(`--transport cuda-ipc: the same-host transport is unavailable here (${why})`);
+    return { transports: [new CudaIpcTransport()], notes: [] };
+  }
+  if (choice === 'tcp') return { transports: [new TcpTransport(tcp)], notes: [] };
+  const transports: Transport[] = [];
+  if (why === undefined) transports.push(new CudaIpcTransport());
+  transports.push(new TcpTransport(tcp));
+  return { transports, notes: why === undefined ? [] : [`requester has TCP only: the same-host transport is unavailable (${why})`] };
+}

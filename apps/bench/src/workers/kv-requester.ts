@@ -1,0 +1,234 @@
+/**
+ * Requester half of the `kv` scenario. One engine per transport under test (the same-host
+ * one is built with cuda-ipc and TCP and left to choose, unless `--transport cuda-ipc`; the
+ * TCP one has only TCP), one destination buffer registered once with each, the holder's
+ * pattern for verification, and a raw socket to the holder for the baseline.
+ *
+ * Each `measure` message names a fetch shape, a scatter seed and an order of methods; for
+ * each method it runs one untimed warm-up fetch and then `fetches` timed fetches, one at a
+ * time, and answers with the time spent inside the fetch calls.
+ *
+ * Verification: the destination is zeroed before each method; before every timed fetch, the
+ * first and last byte of 4 sampled descriptors are poisoned and after it those descriptors are
+ * compared in full with the pattern at their remote offsets (outside the timed calls); after
+ * the last fetch every descriptor is compared in full. Failures count descriptors.
+ *
+ * argv: base64 JSON { endpoint, descriptor, rawPort, regionBytes, seed, maxRequestBytes, transport }
+ */
+import net from 'node:net';
+import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type Registration, type TransferRequest } from '@tensorwire/core';
+import { pattern } from '@tensorwire/core/testing/pattern';
+import { bytesOf, rng, scatter, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
+import { workerInit } from '../proc.js';
+import { nowMs } from '../stats.js';
+import { requesterTransports, type TransportChoice } from '../transports.js';
+
+type KvLane = 'same-host' | 'tcp';
+
+interface Config {
+  endpoint: string;
+  descriptor: string;
+  rawPort: number;
+  regionBytes: number;
+  seed: number;
+  maxRequestBytes: number;
+  transport: TransportChoice;
+}
+
+const SAMPLES = 4;
+const ipc = workerInit();
+const cfg = JSON.parse(Buffer.from(process.argv[2] as string, 'base64').toString('utf8')) as Config;
+const endpoint = new Uint8Array(Buffer.from(cfg.endpoint, 'base64'));
+const descriptor = new Uint8Array(Buffer.from(cfg.descriptor, 'base64'));
+const expectedBytes = pattern(cfg.regionBytes, cfg.seed);
+const expected = Buffer.from(expectedBytes.buffer, expectedBytes.byteOffset, expectedBytes.byteLength);
+const destBytes = new Uint8Array(cfg.maxRequestBytes);
+destBytes.fill(1); // fault the pages in before anything is timed
+const dest = Buffer.from(destBytes.buffer, destBytes.byteOffset, destBytes.byteLength);
+
+interface Lane {
+  readonly engine: TransferEngine;
+  readonly reg: Registration;
+  readonly transport: string;
+}
+const lanes = new Map<KvLane, Lane>();
+const notes: string[] = [];
+
+async function lane(name: KvLane, nodeId: string, transports: TransferEngine['transports']): Promise<void> {
+  const engine = new TransferEngine({ nodeId, transports, logger: silentLogger });
+  await engine.start();
+  const ex = engine.explain(endpoint, 'host');
+  notes.push(`${name} engine (${engine.transports.map((t) => t.name).join(', ')}): transport chosen: ${ex.chosen ?? 'none'} — ${ex.reason}`);
+  if (ex.chosen === undefined || (name === 'same-host' && ex.chosen !== 'cuda-ipc')) {
+    notes.push(`${name} rows left out: the engine did not choose the same-host transport`);
+    await engine.close();
+    return;
+  }
+  const reg = await engine.register({ kind: 'host', buffer: destBytes });
+  lanes.set(name, { engine, reg, transport: ex.chosen });
+}
+
+// Raw baseline socket: receives straight into the destination (Node's cheapest receive path).
+const SLICE = 4 * 1024 * 1024;
+let rawWant = 0;
+let rawGot = 0;
+let rawDone: (() => void) | undefined;
+let rawFailed: ((e: Error) => void) | undefined;
+let rawSocket: net.Socket | undefined;
+
+function connectRaw(): Promise<net.Socket> {
+  return new Promise<net.Socket>((resolve, reject) => {
+    const s = net.connect({
+      host: '127.0.0.1',
+      port: cfg.rawPort,
+      noDelay: true,
+      onread: {
+        // Node asks for the next read's buffer right after a read completes, so between fetches
+        // it hands out the start of the destination: where the next fetch's first bytes go.
+        buffer: () => {
+          const at = rawGot < rawWant ? rawGot : 0;
+          return dest.subarray(at, at + SLICE);
+        },
+        callback: (n: number) => {
+          rawGot += n;
+          if (rawGot >= rawWant && rawDone) {
+            const done = rawDone;
+            rawDone = undefined;
+            done();
+          }
+          return true;
+        },
+      },
+    });
+    s.once('connect', () => resolve(s));
+    s.once('error', reject);
+  });
+}
+
+async function setup(): Promise<void> {
+  if (cfg.transport !== 'tcp') {
+    const built = requesterTransports(cfg.transport === 'cuda-ipc' ? 'cuda-ipc' : 'auto');
+    notes.push(...built.notes);
+    await lane('same-host', 'kv-requester', built.transports);
+  }
+  if (cfg.transport !== 'cuda-ipc') await lane('tcp', 'kv-requester-tcp', [new TcpTransport()]);
+  const s = await connectRaw();
+  s.on('error', (e) => rawFailed?.(e));
+  s.on('close', () => rawFailed?.(new Error('raw baseline socket closed')));
+  rawSocket = s;
+}
+
+function rawFetch(bytes: number, offset: number): Promise<void> {
+  return new Promise((resolve, reject) => {
+    rawWant = bytes;
+    rawGot = 0;
+    rawDone = resolve;
+    rawFailed = reject;
+    const req = Buffer.alloc(16);
+    req.writeBigUInt64BE(BigInt(bytes), 0);
+    req.writeBigUInt64BE(BigInt(offset), 8);
+    (rawSocket as net.Socket).write(req);
+  });
+}
+
+/** Descriptor i of a fetch lands at i * blockBytes and comes from remote offset `offsets[i]`. */
+function sameBytes(i: number, offsets: Float64Array, s: number): boolean {
+  const ro = offsets[i] as number;
+  return dest.compare(expected, ro, ro + s, i * s, (i + 1) * s) === 0;
+}
+
+async function timed(offsets: Float64Array, s: number, fetches: number, random: () => number, once: () => Promise<{ transport: string } | void> | void): Promise<Omit<KvMethodResult, 'method'>> {
+  const count = offsets.length;
+  dest.fill(0, 0, count * s);
+  await once(); // warm-up, untimed
+  const latencies: number[] = [];
+  const sample = new Int32Array(Math.min(SAMPLES, count));
+  let ms = 0;
+  let failures = 0;
+  let transport: string | undefined;
+  for (let f = 0; f < fetches; f++) {
+    for (let j = 0; j < sample.length; j++) {
+      const i = count <= SAMPLES ? j : Math.floor(random() * count);
+      sample[j] = i;
+      const ro = offsets[i] as number;
+      dest[i * s] = (expected[ro] as number) ^ 0xff;
+      dest[(i + 1) * s - 1] = (expected[ro + s - 1] as number) ^ 0xff;
+    }
+    const t0 = nowMs();
+    const r = await once();
+    const dt = nowMs() - t0;
+    ms += dt;
+    latencies.push(dt);
+    if (r) transport = r.transport;
+    for (let j = 0; j < sample.length; j++) if (!sameBytes(sample[j] as number, offsets, s)) failures++;
+  }
+  for (let i = 0; i < count; i++) if (!sameBytes(i, offsets, s)) failures++;
+  return { ms, fetches, bytes: fetches * count * s, descriptors: fetches * count, latencies, failures, ...(transport !== undefined ? { transport } : {}) };
+}
+
+async function runEngine(l: Lane, prepared: boolean, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
+  const requests: TransferRequest[] = [];
+  for (let i = 0; i < offsets.length; i++) requests.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
+  if (!prepared) return timed(offsets, s, fetches, random, () => l.engine.read(endpoint, requests));
+  const t0 = nowMs();
+  const p: PreparedTransfer = await l.engine.prepare(endpoint, requests, { op: 'read' });
+  const prepareMs = nowMs() - t0;
+  try {
+    return { ...(await timed(offsets, s, fetches, random, () => p.run())), prepareMs, ranges: p.ranges };
+  } finally {
+    await p.close();
+  }
+}
+
+async function measure(shape: KvShape, seed: number, fetches: number, order: readonly KvMethod[]): Promise<KvMethodResult[]> {
+  const offsets = scatter(shape, cfg.regionBytes, rng(seed));
+  const s = shape.blockBytes;
+  const count = offsets.length;
+  const bytes = bytesOf(shape);
+  const random = rng(seed ^ 0x5bd1e995);
+  const out: KvMethodResult[] = [];
+  for (const method of order) {
+    let r: Omit<KvMethodResult, 'method'>;
+    if (method === 'memcpy') {
+      r = await timed(offsets, s, fetches, random, () => {
+        for (let i = 0; i < count; i++) {
+          const ro = offsets[i] as number;
+          expected.copy(dest, i * s, ro, ro + s);
+        }
+      });
+    } else if (method === 'raw') {
+      // The same byte count from the same region, as one contiguous run (no per-descriptor work).
+      const offset = Math.floor(random() * Math.floor((cfg.regionBytes - bytes) / s + 1)) * s;
+      const contiguous = new Float64Array(count);
+      for (let i = 0; i < count; i++) contiguous[i] = offset + i * s;
+      r = await timed(contiguous, s, fetches, random, () => rawFetch(bytes, offset));
+    } else {
+      const l = lanes.get(method.startsWith('tcp') ? 'tcp' : 'same-host');
+      if (!l) throw new Error(`no ${method} lane in this run`);
+      r = await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+    }
+    out.push({ method, ...r });
+  }
+  return out;
+}
+
+ipc.onMessage((m) => {
+  const run = async (): Promise<void> => {
+    if (m['type'] === 'stop') {
+      rawSocket?.destroy();
+      await Promise.allSettled([...lanes.values()].map((l) => l.engine.close()));
+      process.exit(0);
+    }
+    if (m['type'] !== 'measure') return;
+    const results = await measure(m['shape'] as KvShape, Number(m['seed']), Number(m['fetches']), m['order'] as KvMethod[]);
+    ipc.send({ type: 'result', id: m['id'], results });
+  };
+  run().catch((e: unknown) => ipc.send({ type: 'error', id: m['id'], message: e instanceof Error ? e.message : String(e) }));
+});
+try {
+  await setup();
+  ipc.send({ type: 'ready', lanes: [...lanes.keys()], transports: Object.fromEntries([...lanes].map(([k, l]) => [k, l.transport])), notes });
+} catch (e) {
+  ipc.send({ type: 'error', message: e instanceof Error ? e.message : String(e) });
+  process.disconnect?.();
+}
