@@ -12,6 +12,11 @@
  *   chains (one ibv_post_send each) with only the last one signaled, so a chain completes
  *   once; a chain holds its send-queue slots until that completion, and a queue pair never
  *   has more than its send-queue depth posted; the rest waits.
+ * - Range grants (`grant()`): one token over ranges of registrations; a requester gets the
+ *   ranges' addresses and keys with one GRANT_BIND per grant and connection, checks every range
+ *   against the lengths the holder granted before posting, and in memory-window mode the NIC
+ *   refuses anything outside the windows bound over exactly the granted runs. Revoking waits for
+ *   the requesters' own work under the grant to leave the NIC (GRANT_UNBIND / GRANT_UNBOUND).
  * - On a failed completion, an abort or a deadline with work on the NIC, the connection is
  *   quiesced (every QP to ERR, then every outstanding work request is waited for until it has
  *   flushed) before anything is rejected, so memory is never reused while the NIC can still
@@ -22,6 +27,8 @@ import { createConnection, createServer, type Server, type Socket } from 'node:n
 import { networkInterfaces } from 'node:os';
 import {
   BackendUnavailableError,
+  GRANT_STRIDE,
+  GrantField,
   RANGE_STRIDE,
   RangeField,
   ClosedError,
@@ -38,6 +45,7 @@ import {
   type CudaMemory,
   type ConnectOptions,
   type ExecuteOptions,
+  type GrantRanges,
   type Logger,
   type Memory,
   type MemoryKind,
@@ -77,6 +85,7 @@ import {
   type NativeDevice,
 } from './native.js';
 import { MAX_BINDS_IN_FLIGHT, tokenHex, WindowKeyCache, WindowLedger, type Binding, type WindowKeys } from './windows.js';
+import { GrantTableCache, grantRevoked, layoutGrant, type GrantLayout, type GrantTable } from './grants.js';
 import {
   FrameReader,
   MAX_QPS_PER_PEER,
@@ -85,11 +94,16 @@ import {
   encodeEndpoint,
   encodeFrame,
   encodeGrant,
+  encodeGrantTable,
   GRANT_TOKEN_BYTES,
+  MAX_RANGE_GRANT_RANGES,
   type ControlMessage,
+  type GrantTableData,
+  type MrGrant,
   type QpSetup,
+  type RangeGrant,
   type RdmaEndpoint,
-  type RemoteGrant,
+  type WindowGrant,
 } from './wire.js';
 
 export interface CudaDmabufExport {
@@ -154,8 +168,23 @@ export interface RdmaTransportOptions {
    * - `auto` (default): `memory-window` where the device supports type-2 windows.
    */
   grants?: 'auto' | 'memory-window' | 'memory-region';
-  /** Most grants one peer may hold windows for at once, over all its connections (memory-window mode). Default 1024. */
+  /**
+   * Most grants one peer may have bound at once, over all its connections: registrations'
+   * window grants (memory-window mode), and range grants (their tables, in both modes).
+   * Default 1024.
+   */
   maxWindowGrantsPerPeer?: number;
+  /**
+   * Most memory windows the range grants one peer uses may hold at once, over all its
+   * connections (memory-window mode): a range grant takes one per run of its ranges and queue
+   * pair. Beyond it a GRANT_BIND is refused with `window-limit` (backpressure). Default 65,536.
+   */
+  maxGrantWindowsPerPeer?: number;
+  /**
+   * How long revoking a range grant waits for each requester that uses it to confirm that
+   * nothing of its own still uses it (GRANT_UNBOUND) before closing that connection. Default 10 s.
+   */
+  grantRevokeTimeoutMs?: number;
   /** Replace the addon and device discovery (tests only; see {@link RdmaBackend}). */
   backend?: RdmaBackend;
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
@@ -182,6 +211,8 @@ const BIND_SLOTS = 4;
 const MAX_PENDING_BINDS = MAX_BINDS_IN_FLIGHT;
 /** Control bytes queued to a peer that does not read them before the connection is dropped. */
 const MAX_CONTROL_BACKLOG = 1 << 20;
+/** Grant tables queued to a peer that does not read them before the connection is dropped (it has at most 64 GRANT_BINDs in flight). */
+const MAX_QUEUED_TABLES = 2 * MAX_BINDS_IN_FLIGHT;
 /** Inbound handshakes past HELLO at once (each holds a CQ and its QPs until READY or its deadline). */
 const MAX_INBOUND_HANDSHAKES = 64;
 /**
@@ -202,12 +233,14 @@ class RdmaRegistration {
   token: Uint8Array | undefined;
   tokenHex: string | undefined;
   revoked = false;
-  /** Memory windows allocated over this MR and not yet deallocated (any connection). */
+  /** Memory windows allocated over this MR and not yet deallocated (any connection, any grant). */
   windows = 0;
   windowsGone: (() => void)[] = [];
   /** Work requests on the NIC that use this memory. */
   posted = 0;
   idle: (() => void)[] = [];
+  /** Live range grants over this registration (revoked before it is). */
+  readonly grants = new Set<RdmaGrant>();
   constructor(owner: RdmaTransport, mrId: number, length: number, addr: bigint, rkey: number, release?: () => void) {
     this.owner = owner;
     this.mrId = mrId;
@@ -218,47 +251,146 @@ class RdmaRegistration {
   }
 }
 
-/** What decodeRemote returns; only instances of this class are accepted by execute(). */
+/**
+ * A range grant's handle (holder side): one token over ranges of registrations, laid out once
+ * as keys (see grants.ts). What it costs per connection that uses it is one table answer, plus
+ * one window per key and queue pair in memory-window mode.
+ */
+class RdmaGrant {
+  readonly owner: RdmaTransport;
+  readonly token: Uint8Array;
+  readonly tokenHex: string;
+  readonly count: number;
+  readonly bytes: number;
+  /** Windows over the ranges (memory-window mode), else whole-MR rkeys. */
+  readonly windows: boolean;
+  /** The registrations the ranges lie in, by region index. */
+  readonly regions: readonly RdmaRegistration[];
+  readonly layout: GrantLayout;
+  readonly regionHi: Uint32Array;
+  readonly regionLo: Uint32Array;
+  /** memory-region mode: each key's rkey (its region's MR). */
+  readonly mrRkeys: Uint32Array;
+  revoked = false;
+  revoking: Promise<void> | undefined;
+  constructor(owner: RdmaTransport, token: Uint8Array, count: number, bytes: number, windows: boolean, regions: readonly RdmaRegistration[], layout: GrantLayout) {
+    this.owner = owner;
+    this.token = token;
+    this.tokenHex = tokenHex(token);
+    this.count = count;
+    this.bytes = bytes;
+    this.windows = windows;
+    this.regions = regions;
+    this.layout = layout;
+    this.regionHi = new Uint32Array(regions.length);
+    this.regionLo = new Uint32Array(regions.length);
+    regions.forEach((r, i) => {
+      this.regionHi[i] = Number(r.addr >> 32n);
+      this.regionLo[i] = Number(r.addr & 0xffffffffn);
+    });
+    this.mrRkeys = new Uint32Array(layout.keyRegion.length);
+    for (let k = 0; k < layout.keyRegion.length; k++) this.mrRkeys[k] = (regions[layout.keyRegion[k] as number] as RdmaRegistration).rkey;
+  }
+  get keyCount(): number {
+    return this.layout.keyRegion.length;
+  }
+  /** The table a requester gets: `rkeys` holds `rkeysPerKey` per key. */
+  table(rkeys: Uint32Array, rkeysPerKey: number): GrantTableData {
+    const l = this.layout;
+    return { regionHi: this.regionHi, regionLo: this.regionLo, keyRegion: l.keyRegion, rkeysPerKey, rkeys, rangeKey: l.rangeKey, rangeOffset: l.rangeOffset, rangeLength: l.rangeLength };
+  }
+}
+
+/** A whole registration's descriptor, decoded; only this class and {@link RemoteRanges} are accepted by execute(). */
 class RemoteRegion {
-  readonly grant: RemoteGrant;
+  readonly grant: MrGrant | WindowGrant;
   /** A memory-window grant's token in hex (the key of every window table), once per decode. */
   readonly windowToken: string | undefined;
-  constructor(grant: RemoteGrant) {
+  /** Its one range: the registration. */
+  readonly lengths: Float64Array;
+  constructor(grant: MrGrant | WindowGrant) {
     this.grant = grant;
     this.windowToken = grant.grant === 'window' ? tokenHex(grant.token) : undefined;
+    this.lengths = Float64Array.of(grant.length);
   }
+}
+
+/** A range grant's descriptor, decoded: the token and each range's length (from the descriptor). */
+class RemoteRanges {
+  readonly grant: RangeGrant;
+  readonly tokenHex: string;
+  readonly lengths: Float64Array;
+  constructor(grant: RangeGrant, lengths: Float64Array) {
+    this.grant = grant;
+    this.tokenHex = tokenHex(grant.token);
+    this.lengths = lengths;
+  }
+}
+
+type Remote = RemoteRegion | RemoteRanges;
+/** What a remote's rkeys come from: its descriptor (0), a window grant's keys (1), a range grant's table (2). */
+const KIND_MR = 0;
+const KIND_WINDOW = 1;
+const KIND_RANGES = 2;
+
+/**
+ * A batch checked once (cached per batch; batches are immutable): its locals are this
+ * transport's registrations, its remotes rdma descriptors, and every range lies inside its local
+ * registration and inside its remote range (the registration, or the granted range it names,
+ * whose length the descriptor gave). Nothing here depends on a connection.
+ */
+interface Checked {
+  readonly batch: TransferBatch;
+  readonly op: 'read' | 'write';
+  readonly regs: readonly RdmaRegistration[];
+  readonly remotes: readonly Remote[];
+  /** Per remote: KIND_MR, KIND_WINDOW or KIND_RANGES. */
+  readonly kinds: Uint8Array;
+  readonly localMr: Float64Array;
+  /** The last layout made of it (reused while its range tables are the ones in use). */
+  plan: Plan | undefined;
 }
 
 /**
  * What a batch becomes on this transport: its work requests and SGEs in the layouts of
- * NativeDevice.post, derived once per batch (batches are immutable) and shared by every post
- * of it. It holds no keys and no state: rkeys are per queue pair and per post, passed beside it.
+ * NativeDevice.post, derived once per batch and shared by every post of it. A work request's
+ * WrField.Rkey is a key slot: one per remote and key (a whole registration has one key; a range
+ * grant one per region or window run of its table), whose rkey for the posting queue pair is
+ * filled in per post. A layout depends on the range tables it was made with (`tables`).
  */
 interface Plan {
-  /** The batch it was made from (for error details; the plan is cached under it). */
-  readonly batch: TransferBatch;
-  readonly op: 'read' | 'write';
-  /** batch.locals, checked to be this transport's registrations. */
-  readonly regs: readonly RdmaRegistration[];
-  /** batch.remotes, checked to be rdma descriptors. */
-  readonly remotes: readonly RemoteRegion[];
-  /** WR_STRIDE numbers per work request; WrField.Rkey is an index into `remotes`. */
+  readonly checked: Checked;
+  /** Per remote: the range grant table the addresses came from (undefined for whole registrations). */
+  readonly tables: readonly (GrantTable | undefined)[];
+  /** WR_STRIDE numbers per work request; WrField.Rkey is a key slot. */
   readonly wrs: Float64Array;
   readonly sges: Float64Array;
   readonly wrCount: number;
+  /** Per key slot: its remote and its key in that remote. */
+  readonly slotRemote: Uint32Array;
+  readonly slotKey: Uint32Array;
 }
+
+/** What opens a remote on a connection: its descriptor's rkey, a window grant's keys or a range grant's table. */
+type Keys = WindowKeys | GrantTable | undefined;
 
 /** One execute() call: one batch on one stream. */
 interface Job {
-  readonly plan: Plan;
+  readonly checked: Checked;
+  /** Laid out once every key is here. */
+  plan: Plan | undefined;
   readonly stream: Stream;
   /** The transfer it belongs to (ExecuteOptions.transfer, else its signal): its streams fail together. */
   readonly group: object;
   readonly signal: AbortSignal;
-  /** rkeys[remote index] for this stream's queue pair; filled before the job is queued. */
-  readonly rkeys: Uint32Array;
+  /** Per remote: what opens it on this connection. */
+  readonly keysOf: Keys[];
+  /** rkeys[key slot] for this stream's queue pair; filled before the job is queued. */
+  rkeys: Uint32Array;
   /** memory-window grants: the keys it uses; UNBIND marks them revoked. */
   readonly windows: WindowKeys[];
+  /** range grants: the tables it holds (counted in their `users` until it settles). */
+  readonly tables: GrantTable[];
   /** Next work request of the plan to post. */
   next: number;
   /** Its chains on the NIC. */
@@ -309,12 +441,15 @@ function requestOf(batch: TransferBatch, field: number, index: number): number |
 }
 
 /**
- * Validate a batch and lay it out as work requests. Ranges in order that are back to back on
- * the remote side of the same remote become one work request (an SGE per local piece, pieces
- * back to back in one registration merged into one SGE) while it has fewer than `maxSge` SGEs
- * and at most `maxWrBytes` bytes. Cost per range: a few comparisons and typed-array writes.
+ * Check a batch: its locals and remotes, and every range against both sides: the local
+ * registration, and the remote range it names (RangeField.RemoteRange: the granted range of a
+ * range grant, whose length came with the descriptor, or 0 for a whole registration). This is
+ * the first of the requester's two bound checks; the second, in {@link layoutPlan}, is against
+ * the lengths the holder itself sent with a range grant's table (a descriptor can be forged). In
+ * memory-region mode nothing else stops a READ or WRITE past a granted range. Cost per range: a
+ * few comparisons on the Float64Array.
  */
-function buildPlan(batch: TransferBatch, owner: RdmaTransport, sge: { readonly read: number; readonly write: number }, maxWrBytes: number): Plan {
+function checkBatch(batch: TransferBatch, owner: RdmaTransport, maxWrBytes: number): Checked {
   const { op, locals, remotes, count, ranges } = batch;
   if (op !== 'read' && op !== 'write') throw new InvalidInputError(`unknown op ${String(op)}`, { details: { field: 'op' } });
   if (!Number.isSafeInteger(count) || count < 0 || !(ranges instanceof Float64Array) || ranges.length < count * RANGE_STRIDE) {
@@ -333,34 +468,100 @@ function buildPlan(batch: TransferBatch, owner: RdmaTransport, sge: { readonly r
     localLen[i] = reg.length;
     localMr[i] = reg.mrId;
   }
-  const regions: RemoteRegion[] = [];
-  const remoteLen = new Float64Array(remotes.length);
-  const remoteHi = new Float64Array(remotes.length);
-  const remoteLo = new Float64Array(remotes.length);
+  const list: Remote[] = [];
+  const kinds = new Uint8Array(remotes.length);
+  const remoteLens: Float64Array[] = [];
   for (let i = 0; i < remotes.length; i++) {
     const r = remotes[i];
-    if (!(r instanceof RemoteRegion)) {
+    if (!(r instanceof RemoteRegion) && !(r instanceof RemoteRanges)) {
       const request = requestOf(batch, RangeField.Remote, i);
       throw new InvalidInputError(`request ${String(request)}: remote is not an rdma descriptor`, { details: { field: 'remote', request } });
     }
-    regions.push(r);
-    remoteLen[i] = r.grant.length;
-    remoteHi[i] = Number(r.grant.addr >> 32n);
-    remoteLo[i] = Number(r.grant.addr & 0xffffffffn);
+    list.push(r);
+    kinds[i] = r instanceof RemoteRanges ? KIND_RANGES : r.grant.grant === 'window' ? KIND_WINDOW : KIND_MR;
+    remoteLens.push(r.lengths);
+  }
+  const RS = RANGE_STRIDE;
+  const [rLocal, rLocalOffset, rRemote, rRemoteOffset, rLength, rRange] = [
+    RangeField.Local,
+    RangeField.LocalOffset,
+    RangeField.Remote,
+    RangeField.RemoteOffset,
+    RangeField.Length,
+    RangeField.RemoteRange,
+  ];
+  for (let i = 0, at = 0; i < count; i++, at += RS) {
+    const l = ranges[at + rLocal] as number;
+    const lo = ranges[at + rLocalOffset] as number;
+    const ro = ranges[at + rRemoteOffset] as number;
+    const len = ranges[at + rLength] as number;
+    // An index out of range (or not an integer) reads undefined, and every comparison with it is false.
+    const lens = remoteLens[ranges[at + rRemote] as number];
+    const size = lens === undefined ? undefined : lens[ranges[at + rRange] as number];
+    if (
+      !(len >= 1 && len <= maxWrBytes && lo >= 0 && lo + len <= (localLen[l] as number) && ro >= 0 && ro + len <= (size as number)) ||
+      Math.floor(lo) !== lo ||
+      Math.floor(ro) !== ro ||
+      Math.floor(len) !== len
+    ) {
+      throw rangeError(batch, i, localLen, remoteLens, maxWrBytes);
+    }
+  }
+  return { batch, op, regs, remotes: list, kinds, localMr, plan: undefined };
+}
+
+/**
+ * Lay a checked batch out as work requests. Ranges in order that are back to back on the remote
+ * side under the same key (the same remote registration, or the same region or window run of a
+ * range grant) become one work request (an SGE per local piece, pieces back to back in one
+ * registration merged into one SGE) while it has fewer than `maxSge` SGEs and at most
+ * `maxWrBytes` bytes. `keys` holds each range grant's table. Cost per range: a few comparisons
+ * and typed-array reads and writes.
+ */
+function layoutPlan(c: Checked, keys: readonly Keys[], sge: { readonly read: number; readonly write: number }, maxWrBytes: number): Plan {
+  const { batch, op, remotes, kinds, localMr } = c;
+  const { count, ranges } = batch;
+  const n = remotes.length;
+  const baseHi = new Float64Array(n);
+  const baseLo = new Float64Array(n);
+  const tables: (GrantTable | undefined)[] = new Array<GrantTable | undefined>(n);
+  const slotOf: Int32Array[] = [];
+  for (let m = 0; m < n; m++) {
+    const r = remotes[m] as Remote;
+    if (r instanceof RemoteRanges) {
+      const t = keys[m] as GrantTable | undefined;
+      if (t === undefined || t.count !== r.grant.count) throw new InvalidInputError('internal: a range grant is laid out without its table');
+      tables[m] = t;
+      slotOf.push(new Int32Array(t.keyRegion.length).fill(-1));
+    } else {
+      baseHi[m] = Number(r.grant.addr >> 32n);
+      baseLo[m] = Number(r.grant.addr & 0xffffffffn);
+      slotOf.push(Int32Array.of(-1));
+    }
   }
   const maxSge = op === 'read' ? sge.read : sge.write;
   // Layout positions as locals: the loop reads registers, not properties of imported objects.
   const RS = RANGE_STRIDE;
-  const [rLocal, rLocalOffset, rRemote, rRemoteOffset, rLength] = [RangeField.Local, RangeField.LocalOffset, RangeField.Remote, RangeField.RemoteOffset, RangeField.Length];
+  const [rLocal, rLocalOffset, rRemote, rRemoteOffset, rLength, rRange] = [
+    RangeField.Local,
+    RangeField.LocalOffset,
+    RangeField.Remote,
+    RangeField.RemoteOffset,
+    RangeField.Length,
+    RangeField.RemoteRange,
+  ];
   const WS = WR_STRIDE;
   const [wOp, wHi, wLo, wRkey, wFirst, wCount] = [WrField.Op, WrField.RemoteHi, WrField.RemoteLo, WrField.Rkey, WrField.FirstSge, WrField.SgeCount];
   const SS = SGE_STRIDE;
   const [sMr, sOffset, sLength] = [SgeField.Mr, SgeField.Offset, SgeField.Length];
   const wrs = new Float64Array(count * WS);
   const sges = new Float64Array(count * SS);
+  const slotRemote = new Uint32Array(count);
+  const slotKey = new Uint32Array(count);
+  let slots = 0;
   let w = -1; // current work request
-  let wrRemote = -1;
-  let wrEnd = -1; // remote offset just past the current work request
+  let wrSlot = -1;
+  let wrEnd = -1; // remote offset (in the key's region) just past the current work request
   let wrBytes = 0;
   let wrSges = 0;
   let e = -1; // current SGE
@@ -372,18 +573,39 @@ function buildPlan(batch: TransferBatch, owner: RdmaTransport, sge: { readonly r
     const l = ranges[at + rLocal] as number;
     const lo = ranges[at + rLocalOffset] as number;
     const m = ranges[at + rRemote] as number;
-    const ro = ranges[at + rRemoteOffset] as number;
     const len = ranges[at + rLength] as number;
-    // An index out of range reads undefined, and every comparison with it is false.
-    if (
-      !(len >= 1 && len <= maxWrBytes && lo >= 0 && lo + len <= (localLen[l] as number) && ro >= 0 && ro + len <= (remoteLen[m] as number)) ||
-      Math.floor(lo) !== lo ||
-      Math.floor(ro) !== ro ||
-      Math.floor(len) !== len
-    ) {
-      throw rangeError(batch, i, localLen, remoteLen, maxWrBytes);
+    // Where the range is: an offset under one key, and the base address of the key's region.
+    let key = 0;
+    let off = ranges[at + rRemoteOffset] as number;
+    let hi = baseHi[m] as number;
+    let lo32 = baseLo[m] as number;
+    if (kinds[m] === KIND_RANGES) {
+      const t = tables[m] as GrantTable;
+      const k = ranges[at + rRange] as number;
+      // Against the lengths the holder granted, not only the descriptor's (which can be forged;
+      // a range past the holder's count reads undefined, and the comparison is false).
+      if (!(off + len <= (t.rangeLength[k] as number))) {
+        const request = ranges[at + RangeField.Request];
+        const granted = k < t.count ? `granted range ${k} of ${t.rangeLength[k] as number} bytes` : `granted range ${k} (the grant has ${t.count})`;
+        throw new InvalidInputError(`request ${String(request)}: remote range ${off}+${len} is outside ${granted} (as the holder granted it)`, {
+          details: { field: 'remoteOffset', request },
+        });
+      }
+      key = t.rangeKey[k] as number;
+      off += t.rangeOffset[k] as number;
+      const region = t.keyRegion[key] as number;
+      hi = t.regionHi[region] as number;
+      lo32 = t.regionLo[region] as number;
     }
-    if (m === wrRemote && ro === wrEnd && wrBytes + len <= maxWrBytes) {
+    const map = slotOf[m] as Int32Array;
+    let slot = map[key] as number;
+    if (slot < 0) {
+      slot = slots++;
+      map[key] = slot;
+      slotRemote[slot] = m;
+      slotKey[slot] = key;
+    }
+    if (slot === wrSlot && off === wrEnd && wrBytes + len <= maxWrBytes) {
       if (l === sgeLocal && lo === sgeEnd) {
         // Back to back locally too: the same SGE grows.
         sgeEnd += len;
@@ -409,52 +631,82 @@ function buildPlan(batch: TransferBatch, owner: RdmaTransport, sge: { readonly r
     }
     w++;
     e++;
-    const sum = (remoteLo[m] as number) + ro; // exact: both below 2^53
+    const sum = lo32 + off; // exact: both below 2^53
     const carry = Math.floor(sum / 0x100000000);
     const base = w * WS;
+    if (hi + carry > 0xffffffff || !(sum + len <= Number.MAX_SAFE_INTEGER)) {
+      const request = ranges[at + RangeField.Request];
+      throw new InvalidInputError(`request ${String(request)}: the holder's grant table puts this range beyond 64-bit addresses`, { details: { field: 'remote', request } });
+    }
     wrs[base + wOp] = opCode;
-    wrs[base + wHi] = (remoteHi[m] as number) + carry;
+    wrs[base + wHi] = hi + carry;
     wrs[base + wLo] = sum - carry * 0x100000000;
-    wrs[base + wRkey] = m;
+    wrs[base + wRkey] = slot;
     wrs[base + wFirst] = e;
     wrs[base + wCount] = 1;
     sges[e * SS + sMr] = localMr[l] as number;
     sges[e * SS + sOffset] = lo;
     sges[e * SS + sLength] = len;
-    wrRemote = m;
-    wrEnd = ro + len;
+    wrSlot = slot;
+    wrEnd = off + len;
     wrBytes = len;
     wrSges = 1;
     sgeLocal = l;
     sgeStart = lo;
     sgeEnd = lo + len;
   }
-  return { batch, op, regs, remotes: regions, wrs: wrs.slice(0, (w + 1) * WS), sges: sges.slice(0, (e + 1) * SS), wrCount: w + 1 };
+  return {
+    checked: c,
+    tables,
+    wrs: wrs.slice(0, (w + 1) * WS),
+    sges: sges.slice(0, (e + 1) * SS),
+    wrCount: w + 1,
+    slotRemote: slotRemote.slice(0, slots),
+    slotKey: slotKey.slice(0, slots),
+  };
+}
+
+/** The rkey of every key slot of `plan` for the queue pair of `stream`. */
+function rkeysFor(plan: Plan, keys: readonly Keys[], stream: number): Uint32Array {
+  const { checked, slotRemote, slotKey, tables } = plan;
+  const out = new Uint32Array(slotRemote.length);
+  for (let s = 0; s < out.length; s++) {
+    const m = slotRemote[s] as number;
+    const kind = checked.kinds[m];
+    if (kind === KIND_RANGES) {
+      const t = tables[m] as GrantTable;
+      const per = t.rkeysPerKey;
+      out[s] = t.rkeys[(slotKey[s] as number) * per + (per > 1 ? stream : 0)] as number;
+    } else if (kind === KIND_WINDOW) {
+      out[s] = (keys[m] as WindowKeys).rkeys[stream] as number;
+    } else {
+      out[s] = ((checked.remotes[m] as RemoteRegion).grant as MrGrant).rkey;
+    }
+  }
+  return out;
 }
 
 /** The error for range `i` that failed the bounds check: which bound, named by its request. */
-function rangeError(batch: TransferBatch, i: number, localLen: Float64Array, remoteLen: Float64Array, maxWrBytes: number): InvalidInputError {
+function rangeError(batch: TransferBatch, i: number, localLen: Float64Array, remoteLens: readonly Float64Array[], maxWrBytes: number): InvalidInputError {
   const at = i * RANGE_STRIDE;
   const r = batch.ranges;
   const request = r[at + RangeField.Request];
-  const [l, lo, m, ro, len] = [RangeField.Local, RangeField.LocalOffset, RangeField.Remote, RangeField.RemoteOffset, RangeField.Length].map((f) => r[at + f] as number) as [
-    number,
-    number,
-    number,
-    number,
-    number,
-  ];
-  const size = (a: Float64Array, x: number): number | undefined => (Number.isInteger(x) && x >= 0 && x < a.length ? a[x] : undefined);
+  const [l, lo, m, ro, len, k] = [RangeField.Local, RangeField.LocalOffset, RangeField.Remote, RangeField.RemoteOffset, RangeField.Length, RangeField.RemoteRange].map(
+    (f) => r[at + f] as number,
+  ) as [number, number, number, number, number, number];
+  const index = (n: number, x: number): boolean => Number.isInteger(x) && x >= 0 && x < n;
   const whole = (x: number): boolean => Number.isSafeInteger(x) && x >= 0;
   const details = (field: string): { details: Record<string, unknown> } => ({ details: { field, request } });
-  const ls = size(localLen, l);
-  const rs = size(remoteLen, m);
-  if (ls === undefined) return new InvalidInputError(`request ${request}: range ${i} names local ${l}, not one of the batch's ${localLen.length}`, details('local'));
-  if (rs === undefined) return new InvalidInputError(`request ${request}: range ${i} names remote ${m}, not one of the batch's ${remoteLen.length}`, details('remote'));
+  if (!index(localLen.length, l)) return new InvalidInputError(`request ${request}: range ${i} names local ${l}, not one of the batch's ${localLen.length}`, details('local'));
+  if (!index(remoteLens.length, m)) return new InvalidInputError(`request ${request}: range ${i} names remote ${m}, not one of the batch's ${remoteLens.length}`, details('remote'));
+  const ls = localLen[l] as number;
+  const lens = remoteLens[m] as Float64Array;
   if (!whole(len) || len < 1) return new InvalidInputError(`request ${request}: length ${len} is not a positive integer`, details('length'));
   if (len > maxWrBytes) return new InvalidInputError(`request ${request}: ${len} bytes exceeds one work request (${maxWrBytes})`, details('length'));
   if (!whole(lo) || lo + len > ls) return new InvalidInputError(`request ${request}: local range ${lo}+${len} is outside its registration of ${ls} bytes`, details('localOffset'));
-  return new InvalidInputError(`request ${request}: remote range ${ro}+${len} is outside its registration of ${rs} bytes`, details('remoteOffset'));
+  if (!index(lens.length, k)) return new InvalidInputError(`request ${request}: range ${k} does not exist (the remote has ${lens.length})`, details('range'));
+  const what = lens.length > 1 || k > 0 ? `granted range ${k} of ${lens[k] as number} bytes` : `its registration of ${lens[k] as number} bytes`;
+  return new InvalidInputError(`request ${request}: remote range ${ro}+${len} is outside ${what}`, details('remoteOffset'));
 }
 
 function wcError(status: number, vendorErr: number, native: NativeAddon, peer: string): TensorwireError {
@@ -513,14 +765,95 @@ class Control {
     this.#failure = listener;
     if (this.#failed) listener(this.#failed);
   }
+  /**
+   * Frames waiting for the socket, in order: encoded frames, or a lazy answer (a grant table,
+   * produced frame by frame as the socket drains, so that a big table neither sits in memory
+   * encoded nor jumps ahead of what is sent after it).
+   */
+  readonly #out: (Uint8Array | Iterator<Uint8Array>)[] = [];
+  #outBytes = 0;
+  #outLazy = 0;
+  #blocked = false;
+  #ending = false;
+
+  #writable(): boolean {
+    return !this.socket.destroyed && this.socket.writable && !this.#ending;
+  }
+
   send(m: ControlMessage): void {
-    if (this.socket.destroyed || !this.socket.writable) return;
-    if (this.socket.writableLength > MAX_CONTROL_BACKLOG) {
+    if (!this.#writable()) return;
+    const frame = encodeFrame(m);
+    if (this.socket.writableLength + this.#outBytes + frame.length > MAX_CONTROL_BACKLOG) {
       // The peer asks (BIND) faster than it reads the answers: drop it rather than buffer forever.
-      this.socket.destroy(new Error(`the peer does not read its control messages (${this.socket.writableLength} bytes queued)`));
+      this.socket.destroy(new Error(`the peer does not read its control messages (${this.socket.writableLength + this.#outBytes} bytes queued)`));
       return;
     }
-    this.socket.write(encodeFrame(m));
+    this.#out.push(frame);
+    this.#outBytes += frame.length;
+    this.#flush();
+  }
+
+  /** Queue frames produced lazily (a grant table): written in order with everything else, as the socket drains. */
+  sendFrames(frames: Iterator<Uint8Array>): void {
+    if (!this.#writable()) return;
+    if (this.#outLazy >= MAX_QUEUED_TABLES) {
+      this.socket.destroy(new Error(`the peer does not read its control messages (${this.#outLazy} grant tables queued)`));
+      return;
+    }
+    this.#out.push(frames);
+    this.#outLazy++;
+    this.#flush();
+  }
+
+  /** End the socket once what is queued is written (grant tables still queued are dropped). */
+  end(): void {
+    if (this.#ending) return;
+    for (let i = this.#out.length - 1; i >= 0; i--) {
+      if (!(this.#out[i] instanceof Uint8Array)) {
+        this.#out.splice(i, 1);
+        this.#outLazy--;
+      }
+    }
+    this.#ending = true;
+    if (this.#out.length === 0 && !this.#blocked) this.socket.end();
+  }
+
+  #flush(): void {
+    while (!this.#blocked && this.#out.length > 0) {
+      if (this.socket.destroyed || !this.socket.writable) {
+        this.#out.length = 0;
+        return;
+      }
+      const head = this.#out[0] as Uint8Array | Iterator<Uint8Array>;
+      let frame: Uint8Array;
+      if (head instanceof Uint8Array) {
+        this.#out.shift();
+        this.#outBytes -= head.length;
+        frame = head;
+      } else {
+        let next: IteratorResult<Uint8Array>;
+        try {
+          next = head.next();
+        } catch (e) {
+          this.socket.destroy(e instanceof Error ? e : new Error(String(e)));
+          return;
+        }
+        if (next.done === true) {
+          this.#out.shift();
+          this.#outLazy--;
+          continue;
+        }
+        frame = next.value;
+      }
+      if (!this.socket.write(frame)) {
+        this.#blocked = true;
+        this.socket.once('drain', () => {
+          this.#blocked = false;
+          this.#flush();
+        });
+      }
+    }
+    if (this.#ending && this.#out.length === 0 && !this.#blocked && !this.socket.destroyed) this.socket.end();
   }
   /** The next message, or a typed error on failure, abort or deadline. */
   next(signal: AbortSignal | undefined, deadline: number, what: string): Promise<ControlMessage> {
@@ -597,6 +930,12 @@ export class RdmaConnection implements TransportConnection {
   /** Holder side: BINDs served at once (each takes one send-queue slot per QP). */
   #bindSlots = BIND_SLOTS;
   readonly #bindWaiters: (() => void)[] = [];
+  /** Requester side: the tables of the peer's range grants on this connection. */
+  readonly #tables: GrantTableCache;
+  /** Holder side: GRANT_BINDs being served. */
+  #pendingGrantBinds = 0;
+  /** Holder side: revoked range grants whose GRANT_UNBOUND this side waits for, by token hex. */
+  readonly #grantAcks = new Map<string, () => void>();
 
   /** @internal */
   constructor(owner: RdmaTransport, device: NativeDevice, native: NativeAddon, control: Control, peer: NodeIdentity, initiator: string, q: Queues) {
@@ -618,6 +957,10 @@ export class RdmaConnection implements TransportConnection {
       queue: [],
     }));
     this.#keys = new WindowKeyCache(this.streams, (requestId, token) => control.send({ type: 'bind', requestId, token }));
+    this.#tables = new GrantTableCache(this.streams, (m) => {
+      owner.grantBindsSent++;
+      control.send(m);
+    });
     control.onMessage((m) => this.#onControl(m));
     control.onFailure((e) => {
       if (this.#state === 'open' || this.#state === 'retiring') {
@@ -650,6 +993,21 @@ export class RdmaConnection implements TransportConnection {
     return this.#keys.size;
   }
 
+  /** Range grants of the peer whose tables this side has cached (requester side). */
+  get cachedGrantTables(): number {
+    return this.#tables.size;
+  }
+
+  /** GRANT_BINDs this side has sent on this connection (requester side; one per range grant used). */
+  get grantBindsSent(): number {
+    return this.#tables.binds;
+  }
+
+  /** Revoked range grants this side still waits to hear GRANT_UNBOUND for (holder side). */
+  get grantUnbindsPending(): number {
+    return this.#grantAcks.size;
+  }
+
   onClose(listener: (error: TensorwireError | undefined) => void): void {
     if (this.#state === 'closed') queueMicrotask(() => listener(this.#closeError));
     else this.#closeListeners.push(listener);
@@ -666,32 +1024,35 @@ export class RdmaConnection implements TransportConnection {
     if (!Number.isInteger(stream) || stream < 0 || stream >= this.streams) {
       return Promise.reject(new InvalidInputError(`stream ${stream} is not in 0..${this.streams - 1}`, { details: { field: 'stream' } }));
     }
-    let plan: Plan;
+    let checked: Checked;
     try {
-      plan = this.#owner.plan(batch);
+      checked = this.#owner.check(batch);
     } catch (e) {
       return Promise.reject(toTensorwireError(e, InvalidInputError));
     }
     // What can change between posts of the same batch is checked on every post.
-    for (let i = 0; i < plan.regs.length; i++) {
-      if ((plan.regs[i] as RdmaRegistration).revoked) {
+    for (let i = 0; i < checked.regs.length; i++) {
+      if ((checked.regs[i] as RdmaRegistration).revoked) {
         const request = requestOf(batch, RangeField.Local, i);
         return Promise.reject(new InvalidInputError(`request ${String(request)}: local registration was revoked`, { details: { field: 'local', request } }));
       }
     }
     if (options.signal.aborted) return Promise.reject(errorFromSignal(options.signal, 'rdma transfer'));
-    if (plan.wrCount === 0) return Promise.resolve();
+    if (batch.count === 0) return Promise.resolve();
     const s = this.#streams[stream] as Stream;
     return new Promise<void>((resolve, reject) => {
       const onAbort = (): void => this.#abortJob(job, errorFromSignal(options.signal, 'rdma transfer'));
       const timer = setTimeout(() => this.#abortJob(job, new TimedOutError(`rdma transfer to ${this.peer.nodeId} passed its deadline`)), Math.max(0, options.deadline - Date.now()));
       const job: Job = {
-        plan,
+        checked,
+        plan: undefined,
         stream: s,
         group: options.transfer ?? options.signal,
         signal: options.signal,
-        rkeys: new Uint32Array(plan.remotes.length),
+        keysOf: new Array<Keys>(checked.remotes.length),
+        rkeys: new Uint32Array(0),
         windows: [],
+        tables: [],
         next: 0,
         chains: 0,
         holding: false,
@@ -714,33 +1075,47 @@ export class RdmaConnection implements TransportConnection {
           this.#maybeSettle(job);
           return;
         }
+        // Every key is here: lay the batch out (once per batch and set of tables) and fill in
+        // this queue pair's rkeys.
+        try {
+          const plan = this.#owner.layout(checked, job.keysOf);
+          job.plan = plan;
+          job.rkeys = rkeysFor(plan, job.keysOf, stream);
+        } catch (e) {
+          job.error ??= toTensorwireError(e, InvalidInputError);
+          this.#maybeSettle(job);
+          return;
+        }
+        if (job.error === undefined) job.error = this.#stale(job);
+        if (job.error !== undefined) {
+          this.#maybeSettle(job);
+          return;
+        }
         s.queue.push(job);
         job.queued = true;
         this.#pump(s);
       };
-      // rkeys for this stream's QP: an MR grant's own, or this connection's window for a
-      // memory-window grant (one BIND per grant, cached). Nothing is posted until every key is
-      // here, so a refusal fails the transfer cleanly.
+      // What opens each remote on this connection: an MR grant's own rkey, this connection's
+      // windows for a memory-window grant (one BIND per grant, cached), or a range grant's table
+      // (one GRANT_BIND per grant, cached). Nothing is posted until every key is here, so a
+      // refusal fails the transfer cleanly.
       let waits: Promise<void>[] | undefined;
-      for (let m = 0; m < plan.remotes.length; m++) {
-        const r = plan.remotes[m] as RemoteRegion;
-        const g = r.grant;
-        if (g.grant === 'mr') {
-          job.rkeys[m] = g.rkey;
-          continue;
-        }
-        const k = this.#keys.get(g.token, r.windowToken);
-        if (k instanceof Promise) {
-          (waits ??= []).push(
-            k.then((v) => {
-              job.rkeys[m] = v.rkeys[stream] as number;
-              job.windows.push(v);
-            }),
-          );
-        } else {
-          job.rkeys[m] = k.rkeys[stream] as number;
-          job.windows.push(k);
-        }
+      const hold = (m: number, k: WindowKeys | GrantTable): void => {
+        if (job.settled) return;
+        job.keysOf[m] = k;
+        if ('users' in k) {
+          k.users++;
+          job.tables.push(k);
+        } else job.windows.push(k);
+      };
+      for (let m = 0; m < checked.remotes.length; m++) {
+        const kind = checked.kinds[m];
+        if (kind === KIND_MR) continue;
+        const r = checked.remotes[m] as Remote;
+        const k =
+          r instanceof RemoteRanges ? this.#tables.get(r.grant.token, r.tokenHex, r.grant.count) : this.#keys.get((r.grant as WindowGrant).token, r.windowToken);
+        if (k instanceof Promise) (waits ??= []).push((k as Promise<WindowKeys | GrantTable>).then((v) => hold(m, v)));
+        else hold(m, k);
       }
       if (waits === undefined) start();
       else {
@@ -753,20 +1128,23 @@ export class RdmaConnection implements TransportConnection {
     });
   }
 
-  /** Why a job must not post more: a registration revoked, or a grant revoked by the holder (UNBIND). */
+  /**
+   * Why a job must not post more: a registration revoked, or a grant revoked by the holder
+   * (UNBIND, GRANT_UNBIND).
+   */
   #stale(job: Job): TensorwireError | undefined {
     const what = job.next === 0 ? 'its transfer started' : 'all of its transfer was posted';
-    const { regs } = job.plan;
+    const { regs, batch } = job.checked;
     for (let i = 0; i < regs.length; i++) {
       if ((regs[i] as RdmaRegistration).revoked) {
-        const request = requestOf(job.plan.batch, RangeField.Local, i);
+        const request = requestOf(batch, RangeField.Local, i);
         return new InvalidInputError(`request ${String(request)}: local registration was revoked before ${what}`, { details: { field: 'local', request } });
       }
     }
-    for (const k of job.windows) {
-      // Its windows are gone: a READ or WRITE through them would fail on the NIC.
-      if (k.revoked) return new RemoteRejectedError(`${this.peer.nodeId} revoked the grant before ${what}`, { details: { remoteCode: 'grant-revoked' } });
-    }
+    // Its windows are gone (a READ or WRITE through them would fail on the NIC), or the holder
+    // asked for the grant back: nothing more may use it.
+    for (const k of job.windows) if (k.revoked) return grantRevoked(this.peer.nodeId, what);
+    for (const t of job.tables) if (t.revoked) return grantRevoked(this.peer.nodeId, what);
     return undefined;
   }
 
@@ -787,7 +1165,8 @@ export class RdmaConnection implements TransportConnection {
         this.#maybeSettle(job);
         continue;
       }
-      const { plan } = job;
+      const plan = job.plan as Plan;
+      const regs = job.checked.regs;
       const n = Math.min(room, s.chainWrs, plan.wrCount - job.next);
       const base = this.#nextWrId;
       let posted = 0;
@@ -810,7 +1189,8 @@ export class RdmaConnection implements TransportConnection {
         job.next += posted;
         if (!job.holding) {
           job.holding = true;
-          for (const r of plan.regs) r.posted++;
+          for (const r of regs) r.posted++;
+          for (const t of job.tables) t.posting++;
         }
       }
       if (thrown === undefined && errno === 0) {
@@ -922,15 +1302,27 @@ export class RdmaConnection implements TransportConnection {
 
   #maybeSettle(job: Job): void {
     if (job.settled || job.chains > 0 || job.queued) return;
-    if (job.error === undefined && job.next < job.plan.wrCount) return;
+    if (job.error === undefined && (job.plan === undefined || job.next < job.plan.wrCount)) return;
     job.settled = true;
     job.cleanup();
     this.#ops.delete(job);
+    const posted = job.holding;
     if (job.holding) {
       job.holding = false;
-      for (const r of job.plan.regs) {
+      for (const r of job.checked.regs) {
         r.posted--;
         if (r.posted === 0) for (const f of r.idle.splice(0)) f();
+      }
+    }
+    // Nothing of it is on the NIC: the range grants it posted under may be given back (GRANT_UNBOUND).
+    for (const t of job.tables) {
+      t.users--;
+      if (!posted) continue;
+      t.posting--;
+      if (t.posting === 0 && t.onIdle) {
+        const f = t.onIdle;
+        t.onIdle = undefined;
+        f();
       }
     }
     if (job.error !== undefined) job.reject(job.error);
@@ -963,6 +1355,43 @@ export class RdmaConnection implements TransportConnection {
     }
     if (m.type === 'unbind') {
       this.#keys.onUnbind(m.token);
+      return;
+    }
+    if (m.type === 'grant-bind') {
+      void this.#serveGrantBind(m.requestId, m.count, m.token);
+      return;
+    }
+    if (m.type === 'grant-head' || m.type === 'grant-regions' || m.type === 'grant-keys' || m.type === 'grant-ranges' || m.type === 'grant-refuse') {
+      const problem = this.#tables.onMessage(m);
+      if (problem) void this.#shutdown(problem, undefined);
+      return;
+    }
+    if (m.type === 'grant-unbind') {
+      // The holder revoked a range grant: nothing more is posted under it, and once the work
+      // already on the NIC under it has completed this side says so (GRANT_UNBOUND); the
+      // holder's revoke waits for that.
+      const token = m.token;
+      // Transfers holding a table that have posted nothing never will (it is revoked now).
+      const held = this.#tables.onUnbind(tokenHex(token)).filter((t) => t.posting > 0);
+      const ack = (): void => this.#control.send({ type: 'grant-unbound', token });
+      if (held.length === 0) ack();
+      else {
+        let left = held.length;
+        for (const t of held) {
+          t.onIdle = () => {
+            if (--left === 0) ack();
+          };
+        }
+      }
+      return;
+    }
+    if (m.type === 'grant-unbound') {
+      const hex = tokenHex(m.token);
+      const done = this.#grantAcks.get(hex);
+      if (done) {
+        this.#grantAcks.delete(hex);
+        done();
+      }
       return;
     }
     if (m.type === 'retire') {
@@ -1013,7 +1442,7 @@ export class RdmaConnection implements TransportConnection {
     const b = r.binding;
     if (r.kind === 'existing') {
       await b.settled;
-      if (b.state === 'bound' && b.rkeys) this.#control.send({ type: 'bound', requestId, rkeys: b.rkeys });
+      if (b.state === 'bound' && b.rkeys) this.#control.send({ type: 'bound', requestId, rkeys: Array.from(b.rkeys) });
       else refuse('unknown-grant', 'the grant was revoked');
       return;
     }
@@ -1106,6 +1535,161 @@ export class RdmaConnection implements TransportConnection {
   }
 
   /**
+   * Holder side of GRANT_BIND: answer with the grant's table (where each range is, and the
+   * rkeys that open it on this connection), or refuse with a reason. In memory-window mode this
+   * first binds one type-2 window per key (a run of granted ranges) and queue pair of this
+   * connection, within the peer's window budget.
+   */
+  async #serveGrantBind(requestId: number, count: number, token: Uint8Array): Promise<void> {
+    if (this.#pendingGrantBinds >= MAX_PENDING_BINDS) {
+      void this.#shutdown(new ConnectionBrokenError(`${this.peer.nodeId} sent more than ${MAX_PENDING_BINDS} GRANT_BINDs at once`), undefined);
+      return;
+    }
+    this.#pendingGrantBinds++;
+    try {
+      await this.#serveGrantBindNow(requestId, count, token);
+    } finally {
+      this.#pendingGrantBinds--;
+    }
+  }
+
+  async #serveGrantBindNow(requestId: number, count: number, token: Uint8Array): Promise<void> {
+    const refuse = (code: string, message: string): void => this.#control.send({ type: 'grant-refuse', requestId, code, message });
+    if (this.#state !== 'open' && this.#state !== 'retiring') return refuse('closing', 'the connection is closing');
+    const ledger = this.#owner.grantLedger;
+    const hex = tokenHex(token);
+    const g = ledger?.grant(hex);
+    // A token that was never issued, was revoked, or names another number of ranges: the same answer.
+    if (!ledger || !g || g.count !== count || g.revoked) return refuse('unknown-grant', 'no such grant: it was never issued here or has been revoked');
+    const send = (b: Binding<RdmaConnection>): void =>
+      this.#control.sendFrames(encodeGrantTable(requestId, g.table(b.rkeys as Uint32Array, g.windows ? this.streams : 1)));
+    const r = ledger.request(this, hex);
+    if (r.kind === 'refused') return refuse(r.code, r.message);
+    const b = r.binding;
+    if (r.kind === 'existing') {
+      await b.settled;
+      if (b.state === 'bound' && b.rkeys) send(b);
+      else refuse('unknown-grant', 'the grant was revoked');
+      return;
+    }
+    if (!g.windows) {
+      // memory-region mode: the MRs' own rkeys; nothing to bind.
+      ledger.complete(b, g.mrRkeys);
+      send(b);
+      return;
+    }
+    const need = g.keyCount * this.streams;
+    if (!this.#owner.reserveWindows(this, b, need)) {
+      ledger.fail(b);
+      return refuse('window-limit', `this peer's windows would exceed ${this.#owner.maxGrantWindowsPerPeer} (the grant needs ${need})`);
+    }
+    if (this.#bindSlots > 0) this.#bindSlots--;
+    else await new Promise<void>((resolve) => this.#bindWaiters.push(resolve));
+    try {
+      const rkeys = await this.#bindGrantWindows(b, g);
+      if (ledger.complete(b, rkeys)) send(b);
+      else {
+        this.#deallocWindows(b.windows);
+        this.#owner.releaseWindows(this, b);
+        b.finish();
+        refuse('unknown-grant', 'the grant was revoked while its windows were being bound');
+      }
+    } catch (e) {
+      this.#deallocWindows(b.windows);
+      this.#owner.releaseWindows(this, b);
+      ledger.fail(b);
+      const err = toTensorwireError(e);
+      refuse(g.revoked ? 'unknown-grant' : err instanceof ResourceExhaustedError ? 'no-windows' : 'bind-failed', err.message);
+    } finally {
+      const next = this.#bindWaiters.shift();
+      if (next) next();
+      else this.#bindSlots++;
+    }
+  }
+
+  /**
+   * Allocate and bind one window per key of `g` and queue pair, each over exactly its run of
+   * granted ranges. One bind at a time per queue pair (one bind slot), the queue pairs in
+   * parallel. Resolves with the rkeys, key-major (`rkeys[key * streams + qp]`).
+   */
+  async #bindGrantWindows(b: Binding<RdmaConnection>, g: RdmaGrant): Promise<Uint32Array> {
+    const qps = this.#streams.length;
+    const keys = g.keyCount;
+    const { keyRegion, keyOffset, keyLength } = g.layout;
+    const rkeys = new Uint32Array(keys * qps);
+    let failure: TensorwireError | undefined;
+    const access = Access.RemoteRead | Access.RemoteWrite;
+    await Promise.all(
+      this.#streams.map(async (s, q) => {
+        for (let key = 0; key < keys && failure === undefined; key++) {
+          if (this.#state !== 'open' && this.#state !== 'retiring') failure ??= new ClosedError('the connection is closing');
+          else if (g.revoked || b.state !== 'binding') failure ??= new RemoteRejectedError('the grant was revoked');
+          if (failure !== undefined) break;
+          const reg = g.regions[keyRegion[key] as number] as RdmaRegistration;
+          let wrId: number;
+          let mwId: number;
+          try {
+            const mw = this.#device.allocMw();
+            mwId = mw.id;
+            this.#windowIds.set(mw.id, reg);
+            reg.windows++;
+            b.windows.push(mw.id);
+            wrId = this.#nextWrId++;
+            const r = this.#device.bindMw(s.qpId, mw.id, reg.mrId, keyOffset[key] as number, keyLength[key] as number, access, BigInt(wrId));
+            if (!r.posted) {
+              failure ??=
+                r.errno === ENOMEM
+                  ? new ResourceExhaustedError(`send queue full while binding a window: ${r.error ?? ''}`)
+                  : new ConnectionBrokenError(`binding a window for ${this.peer.nodeId} failed: ${r.error ?? `errno ${r.errno}`}`);
+              break;
+            }
+            rkeys[key * qps + q] = r.rkey;
+          } catch (e) {
+            failure ??= nativeError(e, 'binding a memory window');
+            break;
+          }
+          // Completions arrive on a later turn of the event loop: registering it now is in time.
+          try {
+            await new Promise<void>((resolve, reject) => this.#binds.set(wrId, { mwId, resolve, reject }));
+          } catch (e) {
+            failure ??= toTensorwireError(e);
+          }
+        }
+      }),
+    );
+    if (failure) throw failure;
+    return rkeys;
+  }
+
+  /**
+   * @internal The holder revoked a range grant this connection has bound: its windows go now
+   * (the NIC refuses them from here on), the requester hears GRANT_UNBIND, and this resolves
+   * once it answers GRANT_UNBOUND (nothing of it uses the grant any more) or the connection is
+   * closed. A requester that does not answer within `grantRevokeTimeoutMs` loses the connection.
+   */
+  unbindGrant(b: Binding<RdmaConnection>): Promise<void> {
+    this.#deallocWindows(b.windows);
+    this.#owner.releaseWindows(this, b);
+    if (this.#state !== 'open' && this.#state !== 'retiring') return this.#closing ?? Promise.resolve();
+    const hex = b.token;
+    return new Promise<void>((resolve) => {
+      const waiter = (): void => {
+        clearTimeout(timer);
+        resolve();
+      };
+      const timer = setTimeout(() => {
+        if (this.#grantAcks.get(hex) !== waiter) return;
+        this.#grantAcks.delete(hex);
+        const ms = this.#owner.grantRevokeTimeoutMs;
+        void this.#shutdown(new ConnectionBrokenError(`${this.peer.nodeId} did not confirm the revocation of a grant within ${ms} ms`), undefined).then(resolve);
+      }, this.#owner.grantRevokeTimeoutMs);
+      timer.unref();
+      this.#grantAcks.set(hex, waiter);
+      this.#control.send({ type: 'grant-unbind', token: new Uint8Array(Buffer.from(hex, 'hex')) });
+    });
+  }
+
+  /**
    * Graceful close. Both sides retire (a 'retire' from the peer makes this side retire too);
    * each waits for its own operations, then sends 'close' ("drained: nothing of mine is on
    * the NIC, nothing more will be posted"), and destroys its queue pairs only after the
@@ -1172,8 +1756,10 @@ export class RdmaConnection implements TransportConnection {
         s.queue = [];
       }
       this.#keys.failAll(failWith);
+      this.#tables.failAll(failWith);
       // Bindings this connection had are gone with it; their windows are deallocated below.
       this.#owner.windowLedger?.dropConnection(this);
+      for (const b of this.#owner.grantLedger?.dropConnection(this) ?? []) this.#owner.releaseWindows(this, b);
       if (this.outstanding > 0) {
         // Invariant 6: move every QP to ERR and wait until each outstanding WR has flushed.
         for (const s of this.#streams) {
@@ -1220,11 +1806,15 @@ export class RdmaConnection implements TransportConnection {
       for (const s of this.#streams) s.used = 0;
       this.#owner.releaseCq(this.#cqId, this);
       this.#control.send({ type: 'close' });
-      this.#control.socket.end();
+      this.#control.end();
       setTimeout(() => this.#control.socket.destroy(), 1_000).unref();
       for (const job of [...this.#ops]) this.#maybeSettle(job);
       this.#state = 'closed';
       this.#owner.forget(this);
+      // The QPs are destroyed: nothing of the peer's reaches memory through this connection any
+      // more, so revokes waiting for its GRANT_UNBOUND are done.
+      for (const done of [...this.#grantAcks.values()]) done();
+      this.#grantAcks.clear();
       for (const l of this.#closeListeners.splice(0)) {
         try {
           l(reported);
@@ -1268,10 +1858,19 @@ export class RdmaTransport implements Transport {
   #maxSendWr = 128;
   /** SGEs per work request (READ, WRITE), decided at start. */
   #sge = { read: 1, write: 1 };
-  /** Plans of the batches this transport has seen (a batch is immutable; see Plan). */
-  readonly #plans = new WeakMap<TransferBatch, Plan>();
   #grantMode: 'memory-window' | 'memory-region' | undefined;
   #ledger: WindowLedger<RdmaConnection, RdmaRegistration> | undefined;
+  /** Range grants that peers may bind (by token), and their bindings per connection. */
+  #grantLedger: WindowLedger<RdmaConnection, RdmaGrant> | undefined;
+  readonly #rangeGrants = new Set<RdmaGrant>();
+  /** Windows bound for range grants, per peer (all its connections). */
+  readonly #grantWindows = new Map<string, number>();
+  /** Checked batches (a batch is immutable; see Checked). */
+  readonly #checked = new WeakMap<TransferBatch, Checked>();
+  readonly maxGrantWindowsPerPeer: number;
+  readonly grantRevokeTimeoutMs: number;
+  /** GRANT_BINDs this transport has sent, over all its connections (one per range grant and connection; for tests and diagnostics). */
+  grantBindsSent = 0;
   readonly #registrations = new Set<RdmaRegistration>();
   readonly #connections = new Map<string, Set<RdmaConnection>>(); // by peer identity
   readonly #cqRoutes = new Map<number, RdmaConnection>();
@@ -1295,6 +1894,14 @@ export class RdmaTransport implements Transport {
     if (!Number.isInteger(limit) || limit < 1) {
       throw new InvalidInputError('maxWindowGrantsPerPeer must be a positive integer', { details: { field: 'maxWindowGrantsPerPeer' } });
     }
+    const windows = options.maxGrantWindowsPerPeer ?? 65_536;
+    if (!Number.isInteger(windows) || windows < 1) {
+      throw new InvalidInputError('maxGrantWindowsPerPeer must be a positive integer', { details: { field: 'maxGrantWindowsPerPeer' } });
+    }
+    this.maxGrantWindowsPerPeer = windows;
+    const revokeMs = options.grantRevokeTimeoutMs ?? 10_000;
+    if (!(revokeMs >= 0)) throw new InvalidInputError('grantRevokeTimeoutMs must be >= 0', { details: { field: 'grantRevokeTimeoutMs' } });
+    this.grantRevokeTimeoutMs = revokeMs;
     this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
     this.retireTimeoutMs = options.retireTimeoutMs ?? 30_000;
     const load = options.backend ? { addon: options.backend.native } : tryLoadNative();
@@ -1324,6 +1931,41 @@ export class RdmaTransport implements Transport {
   /** @internal The holder's window table (memory-window mode only). */
   get windowLedger(): WindowLedger<RdmaConnection, RdmaRegistration> | undefined {
     return this.#ledger;
+  }
+
+  /** @internal The holder's table of range grants and their bindings (both modes, after start). */
+  get grantLedger(): WindowLedger<RdmaConnection, RdmaGrant> | undefined {
+    return this.#grantLedger;
+  }
+
+  /** Live range grants (holder side; for tests and diagnostics). */
+  get liveGrants(): number {
+    return this.#rangeGrants.size;
+  }
+
+  /** @internal Count `n` windows of binding `b` against its peer's budget; false when they do not fit. */
+  reserveWindows(conn: RdmaConnection, b: Binding<RdmaConnection>, n: number): boolean {
+    const peer = `${conn.peer.nodeId}/${conn.peer.incarnation}`;
+    const used = this.#grantWindows.get(peer) ?? 0;
+    if (used + n > this.maxGrantWindowsPerPeer) return false;
+    this.#grantWindows.set(peer, used + n);
+    b.reserved = n;
+    return true;
+  }
+
+  /** @internal Give back what `b` reserved (idempotent). */
+  releaseWindows(conn: RdmaConnection, b: Binding<RdmaConnection>): void {
+    if (b.reserved === 0) return;
+    const peer = `${conn.peer.nodeId}/${conn.peer.incarnation}`;
+    const left = (this.#grantWindows.get(peer) ?? b.reserved) - b.reserved;
+    b.reserved = 0;
+    if (left > 0) this.#grantWindows.set(peer, left);
+    else this.#grantWindows.delete(peer);
+  }
+
+  /** Windows the range grants of `peer` hold (holder side; for tests and diagnostics). */
+  grantWindowsOf(peer: NodeIdentity): number {
+    return this.#grantWindows.get(`${peer.nodeId}/${peer.incarnation}`) ?? 0;
   }
 
   /** What discovery found when the transport started (undefined before start). */
@@ -1360,6 +2002,7 @@ export class RdmaTransport implements Transport {
     if (mode.mode === 'memory-window') {
       this.#ledger = new WindowLedger<RdmaConnection, RdmaRegistration>(this.#options.maxWindowGrantsPerPeer ?? 1024, (c) => `${c.peer.nodeId}/${c.peer.incarnation}`);
     }
+    this.#grantLedger = new WindowLedger<RdmaConnection, RdmaGrant>(this.#options.maxWindowGrantsPerPeer ?? 1024, (c) => `${c.peer.nodeId}/${c.peer.incarnation}`);
     if (caps.fork !== undefined && (caps.fork.status === 'failed' || caps.fork.status === 'disabled')) {
       this.logger.warn('rdma: libibverbs fork support is off: a fork() while memory is registered can corrupt it (see README "Fork safety")', {
         status: caps.fork.status,
@@ -1511,6 +2154,9 @@ export class RdmaTransport implements Transport {
     }
     if (handle.revoked) return;
     handle.revoked = true;
+    // Range grants over it go first (the engine revokes them before, too): nothing may reach
+    // it through them after.
+    if (handle.grants.size > 0) await Promise.all([...handle.grants].map((g) => this.revokeGrant(g)));
     if (this.#ledger && handle.tokenHex !== undefined) {
       // No new windows for it; deallocate the bound ones (remote access fails from here on,
       // and each requester hears UNBIND); wait for binds still on the NIC to settle.
@@ -1538,13 +2184,103 @@ export class RdmaTransport implements Transport {
     reg.release?.();
   }
 
-  /** @internal A batch's plan: validated and laid out once, then shared by every post of it. */
-  plan(batch: TransferBatch): Plan {
-    let p = this.#plans.get(batch);
-    if (p === undefined) {
-      p = buildPlan(batch, this, this.#sge, this.capabilities.maxChunkBytes);
-      this.#plans.set(batch, p);
+  /**
+   * Grant access to ranges of registrations (register once, grant per lease): one 128-bit
+   * token over all of them. The payload is the token, the count and the mode (34 bytes,
+   * whatever the number of ranges); a requester gets the ranges' addresses and keys with one
+   * GRANT_BIND per connection. Memory-window mode: the requester's connection gets one type-2
+   * window per run of touching ranges and queue pair, over exactly those bytes. Memory-region
+   * mode: the MRs' own rkeys, and the requester checks offsets against the range lengths (the
+   * NIC would not stop a requester that skips the check). Refused with ResourceExhaustedError
+   * when its windows alone exceed `maxGrantWindowsPerPeer`.
+   */
+  grant(ranges: GrantRanges): TransportRegistration {
+    this.#requireStarted();
+    const { handles, count, ranges: list } = ranges;
+    if (!Number.isSafeInteger(count) || count < 1 || count > MAX_RANGE_GRANT_RANGES || !(list instanceof Float64Array) || list.length < count * GRANT_STRIDE) {
+      throw new InvalidInputError(`a range grant covers 1 to ${MAX_RANGE_GRANT_RANGES} ranges in a Float64Array of ${GRANT_STRIDE} numbers each`, { details: { field: 'ranges' } });
     }
+    const regs: RdmaRegistration[] = [];
+    for (const h of handles) {
+      if (!(h instanceof RdmaRegistration) || h.owner !== this) throw new InvalidInputError('not a registration of this rdma transport', { details: { field: 'handles' } });
+      if (h.revoked) throw new InvalidInputError('a registration of this grant was revoked', { details: { field: 'handles' } });
+      regs.push(h);
+    }
+    let bytes = 0;
+    for (let k = 0, at = 0; k < count; k++, at += GRANT_STRIDE) {
+      const reg = regs[list[at + GrantField.Handle] as number];
+      const off = list[at + GrantField.Offset] as number;
+      const len = list[at + GrantField.Length] as number;
+      if (reg === undefined || !Number.isSafeInteger(off) || off < 0 || !Number.isSafeInteger(len) || len < 1 || off + len > reg.length) {
+        throw new InvalidInputError(`range ${k} is empty or outside its registration`, { details: { field: 'ranges', range: k } });
+      }
+      bytes += len;
+    }
+    const windows = this.#grantMode === 'memory-window';
+    const layout = layoutGrant(list, count, GRANT_STRIDE, GrantField, (h: number) => (regs[h] as RdmaRegistration).length, windows);
+    const need = layout.keyRegion.length * this.queuePairsPerPeer;
+    if (windows && need > this.maxGrantWindowsPerPeer) {
+      throw new ResourceExhaustedError(`these ranges need ${need} memory windows per requester (${layout.keyRegion.length} runs × ${this.queuePairsPerPeer} queue pairs), more than maxGrantWindowsPerPeer (${this.maxGrantWindowsPerPeer})`);
+    }
+    const token = new Uint8Array(randomBytes(GRANT_TOKEN_BYTES));
+    const regions = Array.from(layout.regionHandle, (h) => regs[h] as RdmaRegistration);
+    const g = new RdmaGrant(this, token, count, bytes, windows, regions, layout);
+    (this.#grantLedger as WindowLedger<RdmaConnection, RdmaGrant>).addGrant(g.tokenHex, g);
+    this.#rangeGrants.add(g);
+    for (const reg of regions) reg.grants.add(g);
+    return { handle: g, payload: encodeGrant({ grant: 'ranges', length: bytes, windows, count, token }) };
+  }
+
+  /**
+   * Revoke a range grant, once (later calls return the same promise): no new GRANT_BIND
+   * succeeds; on every connection that has its table the windows are deallocated (the NIC
+   * refuses them from then on) and the requester hears GRANT_UNBIND, after which its queued work
+   * under the grant fails as `grant-revoked` without reaching the NIC. Resolves once each such
+   * requester has confirmed that nothing it posted under the grant is still on the NIC
+   * (GRANT_UNBOUND), or its connection is closed (after `grantRevokeTimeoutMs` at most). O(1) in
+   * the number of ranges in memory-region mode; one ibv_dealloc_mw per window otherwise. The
+   * registrations stay registered.
+   */
+  revokeGrant(handle: object): Promise<void> {
+    if (!(handle instanceof RdmaGrant) || handle.owner !== this) {
+      return Promise.reject(new InvalidInputError('not a grant of this rdma transport', { details: { field: 'handle' } }));
+    }
+    handle.revoking ??= this.#revokeGrant(handle);
+    return handle.revoking;
+  }
+
+  async #revokeGrant(g: RdmaGrant): Promise<void> {
+    g.revoked = true;
+    this.#rangeGrants.delete(g);
+    for (const reg of g.regions) reg.grants.delete(g);
+    const waits: Promise<void>[] = [];
+    for (const b of this.#grantLedger?.revokeGrant(g.tokenHex) ?? []) {
+      // Bound: unbind it on its connection. Still binding: its binder deallocates and refuses.
+      waits.push(b.state === 'bound' ? b.conn.unbindGrant(b) : b.settled);
+    }
+    await Promise.all(waits);
+  }
+
+  /** @internal A batch checked once (see Checked). */
+  check(batch: TransferBatch): Checked {
+    let c = this.#checked.get(batch);
+    if (c === undefined) {
+      c = checkBatch(batch, this, this.capabilities.maxChunkBytes);
+      this.#checked.set(batch, c);
+    }
+    return c;
+  }
+
+  /** @internal The layout of a checked batch with these keys: the last one while its range tables are the same. */
+  layout(c: Checked, keys: readonly Keys[]): Plan {
+    const last = c.plan;
+    if (last !== undefined) {
+      let same = true;
+      for (let m = 0; m < c.kinds.length && same; m++) if (c.kinds[m] === KIND_RANGES && last.tables[m] !== keys[m]) same = false;
+      if (same) return last;
+    }
+    const p = layoutPlan(c, keys, this.#sge, this.capabilities.maxChunkBytes);
+    c.plan = p;
     return p;
   }
 
@@ -1553,11 +2289,35 @@ export class RdmaTransport implements Transport {
     return this.#sge;
   }
 
-  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
+  /**
+   * Decode a peer's descriptor payload. For a range grant, `rangeLengths` (from the
+   * descriptor's envelope) are what transfers are checked against first; they are not trusted:
+   * every transfer is checked again against the lengths the holder itself sends with the
+   * grant's table, so a descriptor forged to claim longer (or more) ranges reaches nothing
+   * outside the granted ones, and still reaches what was granted.
+   */
+  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths?: Float64Array): unknown {
     if (!this.capabilities.memoryKinds.includes(memoryKind) && memoryKind !== 'cuda' && memoryKind !== 'host') {
       throw new InvalidInputError(`memory kind ${String(memoryKind)} is not supported`, { details: { field: 'memoryKind' } });
     }
-    return new RemoteRegion(decodeGrant(payload, byteLength));
+    const g = decodeGrant(payload);
+    if (g.grant !== 'ranges') {
+      if (byteLength !== g.length) {
+        throw new InvalidInputError(`rdma descriptor: registration covers ${g.length} bytes but the descriptor claims ${byteLength}`, { details: { field: 'length' } });
+      }
+      if (rangeLengths !== undefined && !(rangeLengths.length === 1 && rangeLengths[0] === g.length)) {
+        throw new InvalidInputError('a registration descriptor names ranges, but its payload is not a range grant', { details: { field: 'rangeLengths' } });
+      }
+      return new RemoteRegion(g);
+    }
+    if (!(rangeLengths instanceof Float64Array) || rangeLengths.length === 0) {
+      throw new InvalidInputError(`a range grant of ${g.count} ranges needs their lengths`, { details: { field: 'rangeLengths' } });
+    }
+    for (let k = 0; k < rangeLengths.length; k++) {
+      const len = rangeLengths[k] as number;
+      if (!Number.isSafeInteger(len) || len < 1) throw new InvalidInputError(`range ${k} has length ${len}`, { details: { field: 'rangeLengths' } });
+    }
+    return new RemoteRanges(g, Float64Array.from(rangeLengths));
   }
 
   #setup(q: Queues): QpSetup {
@@ -1757,7 +2517,7 @@ export class RdmaTransport implements Transport {
     let admitted: string | undefined;
     const reject = (code: string, message: string): void => {
       control.send({ type: 'reject', code, message });
-      control.socket.end();
+      control.end();
       setTimeout(() => control.socket.destroy(), 1_000).unref();
     };
     try {
@@ -1859,6 +2619,14 @@ export class RdmaTransport implements Transport {
       this.#handshakes.clear();
       const conns = [...this.#connections.values()].flatMap((s) => [...s]);
       await Promise.allSettled(conns.map((c) => c.close(new ClosedError('rdma transport closed'))));
+      // The connections are closed (their windows deallocated): range grants simply end.
+      for (const g of this.#rangeGrants) {
+        g.revoked = true;
+        g.revoking ??= Promise.resolve();
+        this.#grantLedger?.revokeGrant(g.tokenHex);
+        for (const reg of g.regions) reg.grants.delete(g);
+      }
+      this.#rangeGrants.clear();
       for (const reg of [...this.#registrations]) {
         reg.revoked = true;
         if (reg.tokenHex !== undefined) this.#ledger?.revokeGrant(reg.tokenHex);

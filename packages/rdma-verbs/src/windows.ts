@@ -34,7 +34,10 @@ export class Binding<C> {
   readonly token: string;
   /** Window ids allocated so far (one per queue pair once bound); the holder deallocates them. */
   readonly windows: number[] = [];
-  rkeys: readonly number[] | undefined;
+  /** Registration grants: one rkey per queue pair; range grants: keys × queue pairs (empty in memory-region mode). */
+  rkeys: ArrayLike<number> | undefined;
+  /** Windows counted against the peer's window budget for this binding (range grants), until released. */
+  reserved = 0;
   /** binding → bound; binding → cancelled (revoked or connection gone while binding). */
   state: 'binding' | 'bound' | 'cancelled' = 'binding';
   /** Resolves once the binding is no longer 'binding' and its windows are settled. */
@@ -123,7 +126,7 @@ export class WindowLedger<C, G> {
    * The windows of `b` are bound. False when it was cancelled meanwhile: the caller
    * deallocates its windows, then calls `b.finish()`, and refuses the request.
    */
-  complete(b: Binding<C>, rkeys: readonly number[]): boolean {
+  complete(b: Binding<C>, rkeys: ArrayLike<number>): boolean {
     if (b.state !== 'binding') return false;
     b.state = 'bound';
     b.rkeys = rkeys;

@@ -7,10 +7,16 @@
  *   | u16 lid | 16 bytes gid | u8 activeMtu (ibv_mtu)
  *
  * Descriptor payload (the rdma part of a memory descriptor):
- *   "RVD" u8 version=1 | u8 grant | u64 addr | u64 length | grant body
- *     grant 0, whole-MR rkey:   u32 rkey
- *     grant 1, memory window:   16 bytes grant token (the requester asks the holder to bind
- *                               type-2 windows for it on its connection: BIND below)
+ *   "RVD" u8 version=1 | u8 grant | grant body
+ *     grant 0, whole-MR rkey:   u64 addr | u64 length | u32 rkey
+ *     grant 1, memory window:   u64 addr | u64 length | 16 bytes grant token (the requester
+ *                               asks the holder to bind type-2 windows for it on its
+ *                               connection: BIND below)
+ *     grant 2, range grant:     u64 length (sum of the ranges) | u8 mode (0 whole-MR rkeys,
+ *                               1 memory windows) | u32 rangeCount | 16 bytes grant token. No
+ *                               address: the requester learns where each range is with one
+ *                               GRANT_BIND per grant and connection (the range lengths travel
+ *                               in core's descriptor envelope, not here)
  *
  * Control frames on the out-of-band TCP socket: u32 length (≤ MAX_FRAME) | u8 type | body
  *   HELLO  (1): "RVH" u8 version=1 | setup | str8 targetNodeId | str8 targetIncarnation
@@ -21,6 +27,22 @@
  *   BOUND  (8): u32 requestId | u8 count | count × u32 rkey — one window per queue pair, in order
  *   REFUSE (9): u32 requestId | str8 code | blob16 utf-8 message
  *   UNBIND (10): 16 bytes grant token                      — holder → requester: revoked
+ *   Range grants (requester → holder: GRANT_BIND, GRANT_UNBOUND; the rest holder → requester).
+ *   The answer to one GRANT_BIND is GRANT_HEAD, then the regions, keys and ranges tables in
+ *   parts of at most MAX_FRAME bytes each, in order (part `first` = entries sent so far), or
+ *   GRANT_REFUSE. Range k is at region_base[key_region[range_key[k]]] + range_offset[k], opened
+ *   by the key's rkeys (one for all queue pairs, or one per queue pair in order):
+ *   GRANT_BIND    (11): u32 requestId | u32 rangeCount | 16 bytes grant token
+ *   GRANT_HEAD    (12): u32 requestId | u32 ranges | u32 keys | u32 regions | u8 rkeysPerKey
+ *   GRANT_REGIONS (13): u32 requestId | u32 first | u16 n | n × u64 base address
+ *   GRANT_KEYS    (14): u32 requestId | u32 first | u16 n | u8 rkeysPerKey
+ *                       | n × (u32 region | rkeysPerKey × u32 rkey)
+ *   GRANT_RANGES  (15): u32 requestId | u32 first | u16 n | n × (u32 key | u48 offset in its region
+ *                       | u48 length) — the lengths the holder granted: the requester checks
+ *                       against these, not only against the (forgeable) descriptor's
+ *   GRANT_REFUSE  (16): u32 requestId | str8 code | blob16 utf-8 message
+ *   GRANT_UNBIND  (17): 16 bytes grant token   — revoked; answer GRANT_UNBOUND once drained
+ *   GRANT_UNBOUND (18): 16 bytes grant token   — nothing of this side uses the grant any more
  *   setup: str8 nodeId | str8 incarnation | str8 hostId | u8 linkLayer | u16 lid | 16 bytes gid
  *          | u8 activeMtu | u8 initiatorDepth | u8 responderResources | u8 qpCount
  *          | qpCount × (u32 qpn, u32 psn)      — qpn and psn are 24-bit
@@ -65,7 +87,22 @@ export interface WindowGrant {
   readonly token: Uint8Array;
 }
 
-export type RemoteGrant = MrGrant | WindowGrant;
+/**
+ * A range grant: one token over ranges of registrations, whatever their number. The payload
+ * carries no address and no rkey: the requester presents the token (GRANT_BIND) and the holder
+ * answers with where each range is and the keys that open it on that connection.
+ */
+export interface RangeGrant {
+  readonly grant: 'ranges';
+  /** Sum of the range lengths. */
+  readonly length: number;
+  /** The holder binds type-2 windows over the ranges (else whole-MR rkeys, requester-checked). */
+  readonly windows: boolean;
+  readonly count: number;
+  readonly token: Uint8Array;
+}
+
+export type RemoteGrant = MrGrant | WindowGrant | RangeGrant;
 
 export interface QpAddress {
   readonly qpn: number;
@@ -93,9 +130,45 @@ export type ControlMessage =
   | { readonly type: 'bind'; readonly requestId: number; readonly token: Uint8Array }
   | { readonly type: 'bound'; readonly requestId: number; readonly rkeys: readonly number[] }
   | { readonly type: 'refuse'; readonly requestId: number; readonly code: string; readonly message: string }
-  | { readonly type: 'unbind'; readonly token: Uint8Array };
+  | { readonly type: 'unbind'; readonly token: Uint8Array }
+  | { readonly type: 'grant-bind'; readonly requestId: number; readonly count: number; readonly token: Uint8Array }
+  | { readonly type: 'grant-head'; readonly requestId: number; readonly ranges: number; readonly keys: number; readonly regions: number; readonly rkeysPerKey: number }
+  | { readonly type: 'grant-regions'; readonly requestId: number; readonly first: number; readonly hi: Uint32Array; readonly lo: Uint32Array }
+  | { readonly type: 'grant-keys'; readonly requestId: number; readonly first: number; readonly rkeysPerKey: number; readonly region: Uint32Array; readonly rkeys: Uint32Array }
+  | { readonly type: 'grant-ranges'; readonly requestId: number; readonly first: number; readonly key: Uint32Array; readonly offset: Float64Array; readonly length: Float64Array }
+  | { readonly type: 'grant-refuse'; readonly requestId: number; readonly code: string; readonly message: string }
+  | { readonly type: 'grant-unbind'; readonly token: Uint8Array }
+  | { readonly type: 'grant-unbound'; readonly token: Uint8Array };
 
-const TYPE_CODES = { hello: 1, accept: 2, ready: 3, reject: 4, retire: 5, close: 6, bind: 7, bound: 8, refuse: 9, unbind: 10 } as const;
+const TYPE_CODES = {
+  hello: 1,
+  accept: 2,
+  ready: 3,
+  reject: 4,
+  retire: 5,
+  close: 6,
+  bind: 7,
+  bound: 8,
+  refuse: 9,
+  unbind: 10,
+  'grant-bind': 11,
+  'grant-head': 12,
+  'grant-regions': 13,
+  'grant-keys': 14,
+  'grant-ranges': 15,
+  'grant-refuse': 16,
+  'grant-unbind': 17,
+  'grant-unbound': 18,
+} as const;
+
+/** Ranges one grant may have (core's MAX_GRANT_RANGES). */
+export const MAX_RANGE_GRANT_RANGES = 1 << 20;
+/** Table entries per GRANT_REGIONS / GRANT_KEYS / GRANT_RANGES part: each frame stays within MAX_FRAME. */
+export const GRANT_PART_ENTRIES = { regions: 500, ranges: 250 } as const;
+/** Keys per GRANT_KEYS part with `rkeysPerKey` rkeys each. */
+export function grantKeysPerPart(rkeysPerKey: number): number {
+  return Math.floor((MAX_FRAME - 16) / (4 + 4 * rkeysPerKey));
+}
 
 function bad(what: string, field: string, message: string): never {
   throw new InvalidInputError(`${what}: ${message}`, { details: { field } });
@@ -173,6 +246,8 @@ export function decodeEndpoint(bytes: Uint8Array): RdmaEndpoint {
 export const DESCRIPTOR_PAYLOAD_BYTES = 25;
 /** Payload size of a memory-window grant. */
 export const WINDOW_DESCRIPTOR_PAYLOAD_BYTES = 37;
+/** Payload size of a range grant, whatever its number of ranges. */
+export const RANGE_DESCRIPTOR_PAYLOAD_BYTES = 34;
 
 function checkGrantToken(t: Uint8Array, what: string): void {
   if (!(t instanceof Uint8Array) || t.length !== GRANT_TOKEN_BYTES) bad(what, 'token', `grant token must be ${GRANT_TOKEN_BYTES} bytes`);
@@ -181,6 +256,15 @@ function checkGrantToken(t: Uint8Array, what: string): void {
 export function encodeGrant(g: RemoteGrant): Uint8Array {
   const what = 'rdma descriptor';
   if (!Number.isSafeInteger(g.length) || g.length <= 0) bad(what, 'length', 'length must be a positive safe integer');
+  if (g.grant === 'ranges') {
+    if (!Number.isInteger(g.count) || g.count < 1 || g.count > MAX_RANGE_GRANT_RANGES) bad(what, 'count', `a range grant has 1 to ${MAX_RANGE_GRANT_RANGES} ranges`);
+    if (g.count > g.length) bad(what, 'count', 'more ranges than bytes');
+    checkGrantToken(g.token, what);
+    const w = new ByteWriter(RANGE_DESCRIPTOR_PAYLOAD_BYTES);
+    writeMagic(w, 'RVD');
+    w.u8(2).u64(g.length).u8(g.windows ? 1 : 0).u32(g.count).bytes(g.token);
+    return w.finish();
+  }
   if (g.addr < 0n || g.addr + BigInt(g.length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
   if (g.grant === 'mr') {
     if (!Number.isInteger(g.rkey) || g.rkey < 0 || g.rkey > 0xffffffff) bad(what, 'rkey', 'rkey must be 32-bit');
@@ -203,20 +287,31 @@ export function decodeGrant(bytes: Uint8Array, byteLength?: number): RemoteGrant
   const r = new ByteReader(bytes, what);
   magic(r, 'RVD', what);
   const kind = r.u8('grant');
-  if (kind !== 0 && kind !== 1) bad(what, 'grant', `grant kind ${kind} is not supported`);
-  const addr = r.u64('addr');
-  const length = r.safeU64('length');
-  if (length === 0) bad(what, 'length', 'length is 0');
-  if (addr + BigInt(length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
+  if (kind !== 0 && kind !== 1 && kind !== 2) bad(what, 'grant', `grant kind ${kind} is not supported`);
   let g: RemoteGrant;
-  if (kind === 0) {
-    g = { grant: 'mr', addr, length, rkey: r.u32('rkey') };
+  if (kind === 2) {
+    const length = r.safeU64('length');
+    if (length === 0) bad(what, 'length', 'length is 0');
+    const mode = r.u8('mode');
+    if (mode !== 0 && mode !== 1) bad(what, 'mode', `range grant mode ${mode} is not supported`);
+    const count = r.u32('count');
+    if (count < 1 || count > MAX_RANGE_GRANT_RANGES) bad(what, 'count', `a range grant has 1 to ${MAX_RANGE_GRANT_RANGES} ranges, got ${count}`);
+    if (count > length) bad(what, 'count', `${count} ranges cannot cover ${length} bytes`);
+    g = { grant: 'ranges', length, windows: mode === 1, count, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
   } else {
-    g = { grant: 'window', addr, length, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+    const addr = r.u64('addr');
+    const length = r.safeU64('length');
+    if (length === 0) bad(what, 'length', 'length is 0');
+    if (addr + BigInt(length) > 0xffffffffffffffffn) bad(what, 'addr', 'address range exceeds 64 bits');
+    if (kind === 0) {
+      g = { grant: 'mr', addr, length, rkey: r.u32('rkey') };
+    } else {
+      g = { grant: 'window', addr, length, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+    }
   }
   r.end();
-  if (byteLength !== undefined && byteLength !== length) {
-    bad(what, 'length', `registration covers ${length} bytes but the descriptor claims ${byteLength}`);
+  if (byteLength !== undefined && byteLength !== g.length) {
+    bad(what, 'length', `${g.grant === 'ranges' ? 'the granted ranges cover' : 'registration covers'} ${g.length} bytes but the descriptor claims ${byteLength}`);
   }
   return g;
 }
@@ -321,8 +416,71 @@ export function encodeFrame(m: ControlMessage): Uint8Array {
       w.u32(m.requestId).str8(m.code.slice(0, 64)).blob16(new TextEncoder().encode(m.message.slice(0, 1000)));
       break;
     case 'unbind':
+    case 'grant-unbind':
+    case 'grant-unbound':
       checkGrantToken(m.token, what);
       w.bytes(m.token);
+      break;
+    case 'grant-bind':
+      checkRequestId(m.requestId, what);
+      checkCount(m.count, 1, MAX_RANGE_GRANT_RANGES, 'count', what);
+      checkGrantToken(m.token, what);
+      w.u32(m.requestId).u32(m.count).bytes(m.token);
+      break;
+    case 'grant-head':
+      checkRequestId(m.requestId, what);
+      checkCount(m.ranges, 1, MAX_RANGE_GRANT_RANGES, 'ranges', what);
+      checkCount(m.keys, 1, m.ranges, 'keys', what);
+      checkCount(m.regions, 1, m.keys, 'regions', what);
+      checkCount(m.rkeysPerKey, 1, MAX_QPS_PER_PEER, 'rkeysPerKey', what);
+      w.u32(m.requestId).u32(m.ranges).u32(m.keys).u32(m.regions).u8(m.rkeysPerKey);
+      break;
+    case 'grant-regions': {
+      const n = m.hi.length;
+      checkRequestId(m.requestId, what);
+      checkRequestId(m.first, what);
+      checkCount(n, 1, GRANT_PART_ENTRIES.regions, 'regions', what);
+      if (m.lo.length !== n) bad(what, 'regions', 'hi and lo differ in length');
+      w.u32(m.requestId).u32(m.first).u16(n);
+      for (let i = 0; i < n; i++) w.u32(m.hi[i] as number).u32(m.lo[i] as number);
+      break;
+    }
+    case 'grant-keys': {
+      const n = m.region.length;
+      const per = m.rkeysPerKey;
+      checkRequestId(m.requestId, what);
+      checkRequestId(m.first, what);
+      checkCount(per, 1, MAX_QPS_PER_PEER, 'rkeysPerKey', what);
+      checkCount(n, 1, grantKeysPerPart(per), 'keys', what);
+      if (m.rkeys.length !== n * per) bad(what, 'rkeys', `${n} keys need ${n * per} rkeys, got ${m.rkeys.length}`);
+      w.u32(m.requestId).u32(m.first).u16(n).u8(per);
+      for (let i = 0; i < n; i++) {
+        w.u32(m.region[i] as number);
+        for (let q = 0; q < per; q++) w.u32(m.rkeys[i * per + q] as number);
+      }
+      break;
+    }
+    case 'grant-ranges': {
+      const n = m.key.length;
+      checkRequestId(m.requestId, what);
+      checkRequestId(m.first, what);
+      checkCount(n, 1, GRANT_PART_ENTRIES.ranges, 'ranges', what);
+      if (m.offset.length !== n || m.length.length !== n) bad(what, 'ranges', 'key, offset and length differ in length');
+      w.u32(m.requestId).u32(m.first).u16(n);
+      for (let i = 0; i < n; i++) {
+        const off = m.offset[i] as number;
+        const len = m.length[i] as number;
+        if (!Number.isInteger(off) || off < 0 || off >= 2 ** 48) bad(what, 'offset', 'a range offset is a 48-bit integer');
+        if (!Number.isInteger(len) || len < 1 || len >= 2 ** 48) bad(what, 'length', 'a range length is a positive 48-bit integer');
+        w.u32(m.key[i] as number);
+        u48(w, off);
+        u48(w, len);
+      }
+      break;
+    }
+    case 'grant-refuse':
+      checkRequestId(m.requestId, what);
+      w.u32(m.requestId).str8(m.code.slice(0, 64)).blob16(new TextEncoder().encode(m.message.slice(0, 1000)));
       break;
     default:
       break;
@@ -334,6 +492,20 @@ export function encodeFrame(m: ControlMessage): Uint8Array {
 
 function checkRequestId(id: number, what: string): void {
   if (!Number.isInteger(id) || id < 0 || id > 0xffffffff) bad(what, 'requestId', 'request id must be 32-bit');
+}
+
+function u48(w: ByteWriter, v: number): void {
+  const hi = Math.floor(v / 0x100000000);
+  w.u16(hi).u32(v - hi * 0x100000000);
+}
+
+function readU48(r: ByteReader, field: string): number {
+  const hi = r.u16(field);
+  return hi * 0x100000000 + r.u32(field);
+}
+
+function checkCount(v: number, min: number, max: number, field: string, what: string): void {
+  if (!Number.isInteger(v) || v < min || v > max) bad(what, field, `${field} must be ${min}..${max}, got ${v}`);
 }
 
 function readText(r: ByteReader, what: string): string {
@@ -400,11 +572,144 @@ export function decodeMessage(body: Uint8Array): ControlMessage {
     case 10:
       m = { type: 'unbind', token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
       break;
+    case 11: {
+      const what = 'rdma grant-bind message';
+      const requestId = r.u32('requestId');
+      const count = r.u32('count');
+      checkCount(count, 1, MAX_RANGE_GRANT_RANGES, 'count', what);
+      m = { type: 'grant-bind', requestId, count, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+      break;
+    }
+    case 12: {
+      const what = 'rdma grant-head message';
+      const requestId = r.u32('requestId');
+      const ranges = r.u32('ranges');
+      const keys = r.u32('keys');
+      const regions = r.u32('regions');
+      const rkeysPerKey = r.u8('rkeysPerKey');
+      checkCount(ranges, 1, MAX_RANGE_GRANT_RANGES, 'ranges', what);
+      checkCount(keys, 1, ranges, 'keys', what);
+      checkCount(regions, 1, keys, 'regions', what);
+      checkCount(rkeysPerKey, 1, MAX_QPS_PER_PEER, 'rkeysPerKey', what);
+      m = { type: 'grant-head', requestId, ranges, keys, regions, rkeysPerKey };
+      break;
+    }
+    case 13: {
+      const what = 'rdma grant-regions message';
+      const requestId = r.u32('requestId');
+      const first = r.u32('first');
+      const n = r.u16('n');
+      checkCount(n, 1, GRANT_PART_ENTRIES.regions, 'regions', what);
+      const hi = new Uint32Array(n);
+      const lo = new Uint32Array(n);
+      for (let i = 0; i < n; i++) {
+        hi[i] = r.u32('addr');
+        lo[i] = r.u32('addr');
+      }
+      m = { type: 'grant-regions', requestId, first, hi, lo };
+      break;
+    }
+    case 14: {
+      const what = 'rdma grant-keys message';
+      const requestId = r.u32('requestId');
+      const first = r.u32('first');
+      const n = r.u16('n');
+      const per = r.u8('rkeysPerKey');
+      checkCount(per, 1, MAX_QPS_PER_PEER, 'rkeysPerKey', what);
+      checkCount(n, 1, grantKeysPerPart(per), 'keys', what);
+      const region = new Uint32Array(n);
+      const rkeys = new Uint32Array(n * per);
+      for (let i = 0; i < n; i++) {
+        region[i] = r.u32('region');
+        for (let q = 0; q < per; q++) rkeys[i * per + q] = r.u32('rkey');
+      }
+      m = { type: 'grant-keys', requestId, first, rkeysPerKey: per, region, rkeys };
+      break;
+    }
+    case 15: {
+      const what = 'rdma grant-ranges message';
+      const requestId = r.u32('requestId');
+      const first = r.u32('first');
+      const n = r.u16('n');
+      checkCount(n, 1, GRANT_PART_ENTRIES.ranges, 'ranges', what);
+      const key = new Uint32Array(n);
+      const offset = new Float64Array(n);
+      const length = new Float64Array(n);
+      for (let i = 0; i < n; i++) {
+        key[i] = r.u32('key');
+        offset[i] = readU48(r, 'offset');
+        const len = readU48(r, 'length');
+        if (len === 0) bad(what, 'length', `range ${first + i} has length 0`);
+        length[i] = len;
+      }
+      m = { type: 'grant-ranges', requestId, first, key, offset, length };
+      break;
+    }
+    case 16: {
+      const requestId = r.u32('requestId');
+      const code = r.str8('code');
+      m = { type: 'grant-refuse', requestId, code, message: readText(r, 'rdma grant-refuse message') };
+      break;
+    }
+    case 17:
+      m = { type: 'grant-unbind', token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+      break;
+    case 18:
+      m = { type: 'grant-unbound', token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+      break;
     default:
       bad('rdma control message', 'type', `unknown message type ${type}`);
   }
   r.end();
   return m;
+}
+
+/**
+ * Where a range grant's ranges are, as the holder sends it (GRANT_HEAD and the three tables):
+ * range k is `rangeLength[k]` bytes at `regionHi/regionLo[keyRegion[rangeKey[k]]] + rangeOffset[k]`,
+ * opened by `rkeys[key * rkeysPerKey + (rkeysPerKey > 1 ? queuePair : 0)]`.
+ */
+export interface GrantTableData {
+  readonly regionHi: Uint32Array;
+  readonly regionLo: Uint32Array;
+  readonly keyRegion: Uint32Array;
+  readonly rkeysPerKey: number;
+  readonly rkeys: Uint32Array;
+  readonly rangeKey: Uint32Array;
+  readonly rangeOffset: Float64Array;
+  readonly rangeLength: Float64Array;
+}
+
+/**
+ * The frames answering one GRANT_BIND, produced lazily (the caller writes them as the socket
+ * drains): GRANT_HEAD, then the regions, keys and ranges in parts within MAX_FRAME.
+ */
+export function* encodeGrantTable(requestId: number, t: GrantTableData): Generator<Uint8Array> {
+  const ranges = t.rangeKey.length;
+  const keys = t.keyRegion.length;
+  const regions = t.regionHi.length;
+  const per = t.rkeysPerKey;
+  yield encodeFrame({ type: 'grant-head', requestId, ranges, keys, regions, rkeysPerKey: per });
+  for (let first = 0; first < regions; first += GRANT_PART_ENTRIES.regions) {
+    const end = Math.min(regions, first + GRANT_PART_ENTRIES.regions);
+    yield encodeFrame({ type: 'grant-regions', requestId, first, hi: t.regionHi.subarray(first, end), lo: t.regionLo.subarray(first, end) });
+  }
+  const keysPerPart = grantKeysPerPart(per);
+  for (let first = 0; first < keys; first += keysPerPart) {
+    const end = Math.min(keys, first + keysPerPart);
+    yield encodeFrame({ type: 'grant-keys', requestId, first, rkeysPerKey: per, region: t.keyRegion.subarray(first, end), rkeys: t.rkeys.subarray(first * per, end * per) });
+  }
+  for (let first = 0; first < ranges; first += GRANT_PART_ENTRIES.ranges) {
+    const end = Math.min(ranges, first + GRANT_PART_ENTRIES.ranges);
+    yield encodeFrame({
+      type: 'grant-ranges',
+      requestId,
+      first,
+      key: t.rangeKey.subarray(first, end),
+      offset: t.rangeOffset.subarray(first, end),
+      length: t.rangeLength.subarray(first, end),
+    });
+  }
 }
 
 /**

@@ -20,6 +20,7 @@ import { capabilities } from '../src/capabilities.js';
 import { loadNative, type NativeCounters } from '../src/native.js';
 import { RdmaTransport, type RdmaConnection, type RdmaTransportOptions } from '../src/transport.js';
 import { decodeEndpoint } from '../src/wire.js';
+import { describeRangeGrants } from './grant-suite.js';
 import { describeWindowGrants, opts, testNodes } from './window-suite.js';
 
 const caps = capabilities();
@@ -214,3 +215,16 @@ describeWindowGrants({
   transport: makeTransport,
   counters,
 });
+
+// ------------------------------------------------------------ range grants, both modes
+for (const grants of ['memory-region', 'memory-window'] as const) {
+  const skip = grants === 'memory-window' ? windowSkip : skipReason;
+  if (skip !== undefined && skipReason === undefined) console.warn(`[rdma-verbs] skipping the ${grants} range-grant suite: ${skip}`);
+  describeRangeGrants({
+    name: `range grants on ${device ?? 'no device'}, ${grants}`,
+    grants,
+    ...(skip !== undefined ? { skip } : {}),
+    transport: makeTransport,
+    counters,
+  });
+}

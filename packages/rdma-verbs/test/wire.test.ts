@@ -4,6 +4,10 @@ import { describe, expect, it } from 'vitest';
 import {
   DESCRIPTOR_PAYLOAD_BYTES,
   FrameReader,
+  GRANT_PART_ENTRIES,
+  RANGE_DESCRIPTOR_PAYLOAD_BYTES,
+  encodeGrantTable,
+  grantKeysPerPart,
   WINDOW_DESCRIPTOR_PAYLOAD_BYTES,
   MAX_FRAME,
   decodeEndpoint,
@@ -57,6 +61,43 @@ const messageArb: fc.Arbitrary<ControlMessage> = fc.oneof(
   fc.record({ type: fc.constant('bound' as const), requestId: u32, rkeys: fc.array(u32, { minLength: 1, maxLength: 16 }) }),
   fc.record({ type: fc.constant('refuse' as const), requestId: u32, code: text, message: fc.string({ maxLength: 200 }) }),
   fc.record({ type: fc.constant('unbind' as const), token: grantToken }),
+  fc.record({ type: fc.constant('grant-bind' as const), requestId: u32, count: fc.integer({ min: 1, max: 1 << 20 }), token: grantToken }),
+  fc
+    .record({ ranges: fc.integer({ min: 1, max: 1 << 20 }), a: fc.nat(), b: fc.nat(), per: fc.integer({ min: 1, max: 16 }), requestId: u32 })
+    .map(({ ranges, a, b, per, requestId }) => {
+      const keys = 1 + (a % ranges);
+      return { type: 'grant-head' as const, requestId, ranges, keys, regions: 1 + (b % keys), rkeysPerKey: per };
+    }),
+  fc
+    .record({ requestId: u32, first: u32, addrs: fc.array(fc.tuple(u32, u32), { minLength: 1, maxLength: GRANT_PART_ENTRIES.regions }) })
+    .map(({ requestId, first, addrs }) => ({ type: 'grant-regions' as const, requestId, first, hi: Uint32Array.from(addrs, (x) => x[0]), lo: Uint32Array.from(addrs, (x) => x[1]) })),
+  fc
+    .record({ requestId: u32, first: u32, per: fc.integer({ min: 1, max: 16 }), n: fc.integer({ min: 1, max: 60 }), seed: u32 })
+    .map(({ requestId, first, per, n, seed }) => ({
+      type: 'grant-keys' as const,
+      requestId,
+      first,
+      rkeysPerKey: per,
+      region: Uint32Array.from({ length: n }, (_, i) => (seed + i) >>> 0),
+      rkeys: Uint32Array.from({ length: n * per }, (_, i) => (seed * 7 + i) >>> 0),
+    })),
+  fc
+    .record({
+      requestId: u32,
+      first: u32,
+      list: fc.array(fc.tuple(u32, fc.integer({ min: 0, max: 2 ** 48 - 1 }), fc.integer({ min: 1, max: 2 ** 48 - 1 })), { minLength: 1, maxLength: GRANT_PART_ENTRIES.ranges }),
+    })
+    .map(({ requestId, first, list }) => ({
+      type: 'grant-ranges' as const,
+      requestId,
+      first,
+      key: Uint32Array.from(list, (x) => x[0]),
+      offset: Float64Array.from(list, (x) => x[1]),
+      length: Float64Array.from(list, (x) => x[2]),
+    })),
+  fc.record({ type: fc.constant('grant-refuse' as const), requestId: u32, code: text, message: fc.string({ maxLength: 200 }) }),
+  fc.record({ type: fc.constant('grant-unbind' as const), token: grantToken }),
+  fc.record({ type: fc.constant('grant-unbound' as const), token: grantToken }),
 );
 
 const grantArb = fc
@@ -66,6 +107,10 @@ const grantArb = fc
 const windowGrantArb = fc
   .record({ addr: fc.bigInt({ min: 0n, max: (1n << 56n) - 1n }), length: fc.integer({ min: 1, max: Number.MAX_SAFE_INTEGER }), token: grantToken })
   .map((g) => ({ grant: 'window' as const, ...g }));
+
+const rangeGrantArb = fc
+  .record({ length: fc.integer({ min: 1 << 20, max: Number.MAX_SAFE_INTEGER }), windows: fc.boolean(), count: fc.integer({ min: 1, max: 1 << 20 }), token: grantToken })
+  .map((g) => ({ grant: 'ranges' as const, ...g }));
 
 /** Only typed InvalidInputError may escape a decoder fed hostile bytes. */
 function decodesOrRejects(fn: () => unknown): void {
@@ -147,14 +192,34 @@ describe('descriptor payload', () => {
     zero.fill(0, 13, 21);
     expect(() => decodeGrant(zero)).toThrow(/length is 0/);
     const kind = b.slice();
-    kind[4] = 2;
-    expect(() => decodeGrant(kind)).toThrow(/grant kind 2/);
+    kind[4] = 3;
+    expect(() => decodeGrant(kind)).toThrow(/grant kind 3/);
     const over = b.slice();
     over.fill(0xff, 5, 13);
     expect(() => decodeGrant(over)).toThrow(/exceeds 64 bits/);
   });
+  it('round-trips range grants: the same 34 bytes for one range or a million, no address, no rkey', () => {
+    fc.assert(
+      fc.property(rangeGrantArb, (g) => {
+        const b = encodeGrant(g);
+        expect(b.length).toBe(RANGE_DESCRIPTOR_PAYLOAD_BYTES);
+        expect(decodeGrant(b, g.length)).toEqual(g);
+      }),
+    );
+    const g = { grant: 'ranges' as const, length: 4096, windows: true, count: 10, token: new Uint8Array(16) };
+    expect(() => encodeGrant({ ...g, count: 0 })).toThrow(InvalidInputError);
+    expect(() => encodeGrant({ ...g, count: 5000 })).toThrow(/more ranges than bytes/);
+    const b = encodeGrant(g);
+    const mode = b.slice();
+    mode[13] = 2;
+    expect(() => decodeGrant(mode)).toThrow(/mode 2/);
+    const count = b.slice();
+    count.fill(0, 14, 18);
+    expect(() => decodeGrant(count)).toThrow(/1 to 1048576 ranges, got 0/);
+    expect(() => decodeGrant(b, 8192)).toThrow(/the granted ranges cover 4096 bytes but the descriptor claims 8192/);
+  });
   it('survives truncation, corruption, padding and arbitrary bytes', () => {
-    fc.assert(fc.property(fc.oneof(grantArb, windowGrantArb).chain((g) => mutations(encodeGrant(g))), (b) => void decodesOrRejects(() => decodeGrant(b))));
+    fc.assert(fc.property(fc.oneof(grantArb, windowGrantArb, rangeGrantArb).chain((g) => mutations(encodeGrant(g))), (b) => void decodesOrRejects(() => decodeGrant(b))));
     fc.assert(fc.property(fc.uint8Array({ maxLength: 64 }), fc.option(fc.nat()), (b, n) => void decodesOrRejects(() => decodeGrant(b, n ?? undefined))));
   });
 });
@@ -228,6 +293,76 @@ describe('handshake frames', () => {
     const bind = encodeFrame({ type: 'bind', requestId: 7, token: new Uint8Array(16) }).subarray(4);
     expect(() => decodeMessage(bind.subarray(0, bind.length - 1))).toThrow(/truncated: token/);
     expect(() => decodeMessage(Uint8Array.from([...bind, 0]))).toThrow(/trailing/);
+  });
+  it('a grant table of any size goes as frames within MAX_FRAME that decode back to it', () => {
+    fc.assert(
+      fc.property(
+        fc.record({ ranges: fc.integer({ min: 1, max: 3000 }), keys: fc.integer({ min: 1, max: 3000 }), regions: fc.integer({ min: 1, max: 1200 }), per: fc.constantFrom(1, 2, 16), seed: u32 }),
+        ({ ranges, keys: k, regions: g, per, seed }) => {
+          const keys = Math.min(k, ranges);
+          const regions = Math.min(g, keys);
+          const t = {
+            regionHi: Uint32Array.from({ length: regions }, (_, i) => (seed + i) >>> 0),
+            regionLo: Uint32Array.from({ length: regions }, (_, i) => (seed ^ (i * 2654435761)) >>> 0),
+            keyRegion: Uint32Array.from({ length: keys }, (_, i) => i % regions),
+            rkeysPerKey: per,
+            rkeys: Uint32Array.from({ length: keys * per }, (_, i) => (seed + i * 31) >>> 0),
+            rangeKey: Uint32Array.from({ length: ranges }, (_, i) => (i * 7) % keys),
+            rangeOffset: Float64Array.from({ length: ranges }, (_, i) => (i * 4099 + seed) % 2 ** 48),
+            rangeLength: Float64Array.from({ length: ranges }, (_, i) => 1 + ((i * 977 + seed) % 2 ** 40)),
+          };
+          const frames = [...encodeGrantTable(9, t)];
+          for (const f of frames) expect(f.length - 4).toBeLessThanOrEqual(MAX_FRAME);
+          const msgs = new FrameReader().push(Buffer.concat(frames));
+          const back = { regionHi: [] as number[], regionLo: [] as number[], keyRegion: [] as number[], rkeys: [] as number[], rangeKey: [] as number[], rangeOffset: [] as number[], rangeLength: [] as number[] };
+          expect(msgs[0]).toEqual({ type: 'grant-head', requestId: 9, ranges, keys, regions, rkeysPerKey: per });
+          for (const m of msgs.slice(1)) {
+            if (m.type === 'grant-regions') {
+              back.regionHi.push(...m.hi);
+              back.regionLo.push(...m.lo);
+            } else if (m.type === 'grant-keys') {
+              back.keyRegion.push(...m.region);
+              back.rkeys.push(...m.rkeys);
+            } else if (m.type === 'grant-ranges') {
+              back.rangeKey.push(...m.key);
+              back.rangeOffset.push(...m.offset);
+              back.rangeLength.push(...m.length);
+            } else throw new Error(`unexpected ${m.type}`);
+          }
+          expect(back).toEqual({
+            regionHi: [...t.regionHi],
+            regionLo: [...t.regionLo],
+            keyRegion: [...t.keyRegion],
+            rkeys: [...t.rkeys],
+            rangeKey: [...t.rangeKey],
+            rangeOffset: [...t.rangeOffset],
+            rangeLength: [...t.rangeLength],
+          });
+        },
+      ),
+      { numRuns: 30 },
+    );
+    // 10,000 ranges of one region: 40 range parts of 250, one frame each for the regions and keys.
+    const one = { regionHi: Uint32Array.of(0x7f), regionLo: Uint32Array.of(0), keyRegion: Uint32Array.of(0), rkeysPerKey: 1, rkeys: Uint32Array.of(5) };
+    const frames = [
+      ...encodeGrantTable(1, { ...one, rangeKey: new Uint32Array(10_000), rangeOffset: Float64Array.from({ length: 10_000 }, (_, i) => i * 8192), rangeLength: new Float64Array(10_000).fill(4096) }),
+    ];
+    expect(frames).toHaveLength(1 + 1 + 1 + 40);
+    expect(grantKeysPerPart(16)).toBe(60);
+  });
+  it('range grant messages refuse out-of-range counts and offsets', () => {
+    expect(() => encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 11, regions: 1, rkeysPerKey: 1 })).toThrow(/keys must be 1\.\.10/);
+    expect(() => encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 2, regions: 3, rkeysPerKey: 1 })).toThrow(/regions must be 1\.\.2/);
+    expect(() => encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 2, regions: 1, rkeysPerKey: 17 })).toThrow(/rkeysPerKey/);
+    expect(() => encodeFrame({ type: 'grant-bind', requestId: 1, count: 0, token: new Uint8Array(16) })).toThrow(/count/);
+    expect(() => encodeFrame({ type: 'grant-ranges', requestId: 1, first: 0, key: Uint32Array.of(0), offset: Float64Array.of(2 ** 48), length: Float64Array.of(1) })).toThrow(/48-bit/);
+    expect(() => encodeFrame({ type: 'grant-ranges', requestId: 1, first: 0, key: Uint32Array.of(0), offset: Float64Array.of(0), length: Float64Array.of(0) })).toThrow(/positive 48-bit/);
+    expect(() => encodeFrame({ type: 'grant-keys', requestId: 1, first: 0, rkeysPerKey: 2, region: Uint32Array.of(0), rkeys: Uint32Array.of(1) })).toThrow(/need 2 rkeys/);
+    expect(() => encodeFrame({ type: 'grant-regions', requestId: 1, first: 0, hi: new Uint32Array(501), lo: new Uint32Array(501) })).toThrow(/regions must be 1\.\.500/);
+    const head = encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 2, regions: 1, rkeysPerKey: 1 }).subarray(4);
+    const bad = head.slice();
+    bad[9] = 0xff; // keys > ranges
+    expect(() => decodeMessage(bad)).toThrow(InvalidInputError);
   });
   it('refuses oversized and empty frames before buffering them', () => {
     const r = new FrameReader();

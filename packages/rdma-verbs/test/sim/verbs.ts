@@ -162,6 +162,8 @@ export class SimFabric {
   readonly bindGate = new Gate();
   /** Closed: work executes but its completions are not delivered yet. */
   readonly completionGate = new Gate();
+  /** Closed: READs and WRITEs stay posted on their queue pair without executing (work on the "NIC"). */
+  readonly executionGate = new Gate();
   nextQpn = 0x100;
   nextAddr = 0x7f0000000000n;
   nextKey = 0x1000;
@@ -564,6 +566,10 @@ export class SimDevice implements NativeDevice {
       }
       if (w.kind === 'bind' && this.#fabric.bindGate.isClosed && q.state !== 'ERR') {
         this.#fabric.bindGate.hold(() => setImmediate(step));
+        return;
+      }
+      if (w.kind === 'rdma' && this.#fabric.executionGate.isClosed && q.state !== 'ERR') {
+        this.#fabric.executionGate.hold(() => setImmediate(step));
         return;
       }
       q.work.shift();
