@@ -244,8 +244,8 @@ describe('tcp batches, driven directly', () => {
     expect(dst.every((x) => x === 0)).toBe(true);
     const batch = createTransferBatch('read', [ok]);
     const ranges = batch.ranges;
-    ranges[6] = 1; // RangeField.RemoteRange: tcp grants whole registrations only
-    await expect(exec(conn, batch)).rejects.toThrow(/no range grants/);
+    ranges[6] = 1; // RangeField.RemoteRange: a whole registration has only range 0
+    await expect(exec(conn, batch)).rejects.toThrow(/remote range 1 does not exist \(the remote has 1\)/);
     // A revoked local registration is refused on every post, also of a batch that worked before.
     const again = createTransferBatch('read', [ok]);
     await exec(conn, again);

@@ -16,10 +16,15 @@
  *   ERROR       0x05  body: u32 range index (0xffffffff: none) | str8 code | u16 length | UTF-8 message
  *   GOAWAY      0x06  body: empty; the sender will issue no more requests on this socket
  *
- * Vector head ({@link VEC_PREFIX_BYTES} + 16 per token + 16 per range):
+ * Vector head ({@link VEC_PREFIX_BYTES} + 16 per token + {@link RANGE_ENTRY_BYTES} (20) per range):
  *   u16 token count T (1..MAX_TOKENS_PER_FRAME) | u16 reserved (0) | u32 range count R (1..MAX_RANGES_PER_FRAME)
- *   T × 16-byte grant token (deduplicated by the sender)
- *   R × range: u16 token index (< T) | u16 reserved (0) | u32 offset high | u32 offset low | u32 length
+ *   T × 16-byte token (deduplicated by the sender)
+ *   R × range: u16 token index (< T) | u16 reserved (0) | u32 granted range index | u32 length
+ *              | u32 offset high | u32 offset low
+ *
+ * A token names either a whole registration (it has one range, index 0: the registration) or a
+ * range grant (its ranges are numbered 0..n-1 as granted). A range's offset is relative to the
+ * start of its granted range, and offset + length must stay inside that range.
  *
  * Both sides agree in the handshake on the largest chunk (the smaller of the two offers); it is
  * also the most data one READV_REQ may ask for and one WRITEV_REQ or READV_DATA may carry.
@@ -27,9 +32,10 @@
  * A frame that lies about itself (counts beyond the body, a token index beyond the token table,
  * reserved bits set, WRITEV lengths that do not add up to its data, data beyond the cap) is a
  * protocol error: the parser throws InvalidInputError and the connection is dropped. A range
- * that is well-formed but not allowed (unknown or revoked token, out of the grant's bounds,
- * length 0, too much in total) is answered with ERROR naming its index; a READV is checked
- * whole before any byte is sent, a WRITEV whole before any byte lands.
+ * that is well-formed but not allowed (unknown or revoked token, a granted range index the token
+ * does not have, out of its granted range's bounds, length 0, too much in total) is answered
+ * with ERROR naming its index in the frame; a READV is checked whole before any byte is sent,
+ * a WRITEV whole before any byte lands.
  *
  * Identity fields are validated (owner names, incarnation tokens). The dialer must name the
  * exact node and incarnation it expects, as published in its endpoint. TCP itself proves no
@@ -57,11 +63,20 @@ export const TOKEN_BYTES = 16;
 export const MAX_CONTROL_BODY = 4096;
 /** Counts at the start of a vector head. */
 export const VEC_PREFIX_BYTES = 8;
-/** One range of a vector head. */
-export const RANGE_ENTRY_BYTES = 16;
+/** One range of a vector head: token index, reserved, granted range index, length, offset (hi, lo). */
+export const RANGE_ENTRY_BYTES = 20;
+/** Positions of a range entry's fields, from its start. */
+export const RangeEntry = {
+  Token: 0,
+  Reserved: 2,
+  Range: 4,
+  Length: 8,
+  OffsetHigh: 12,
+  OffsetLow: 16,
+} as const;
 export const MAX_RANGES_PER_FRAME = 8192;
 export const MAX_TOKENS_PER_FRAME = 1024;
-/** The largest vector head: about 144 KiB. */
+/** The largest vector head: about 176 KiB. */
 export const MAX_VEC_HEAD_BYTES = VEC_PREFIX_BYTES + TOKEN_BYTES * MAX_TOKENS_PER_FRAME + RANGE_ENTRY_BYTES * MAX_RANGES_PER_FRAME;
 /** ERROR's range index when the error is about no range in particular. */
 export const NO_RANGE = 0xffffffff;
@@ -127,15 +142,19 @@ export function putToken(frame: Buffer, i: number, token: Uint8Array): void {
   frame.set(token, HEADER_BYTES + VEC_PREFIX_BYTES + TOKEN_BYTES * i);
 }
 
-/** Range `i` of a frame from {@link allocVecFrame} with `tokenCount` tokens. `offset` is a safe integer. */
-export function putRange(frame: Buffer, tokenCount: number, i: number, tokenIndex: number, offset: number, length: number): void {
+/**
+ * Range `i` of a frame from {@link allocVecFrame} with `tokenCount` tokens: `length` bytes at
+ * `offset` (a safe integer) inside granted range `rangeIndex` (a u32) of token `tokenIndex`.
+ */
+export function putRange(frame: Buffer, tokenCount: number, i: number, tokenIndex: number, rangeIndex: number, offset: number, length: number): void {
   const at = HEADER_BYTES + VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * i;
   const high = Math.floor(offset / TWO_32);
-  frame.writeUInt16BE(tokenIndex, at);
-  frame.writeUInt16BE(0, at + 2);
-  frame.writeUInt32BE(high, at + 4);
-  frame.writeUInt32BE(offset - high * TWO_32, at + 8);
-  frame.writeUInt32BE(length >>> 0, at + 12);
+  frame.writeUInt16BE(tokenIndex, at + RangeEntry.Token);
+  frame.writeUInt16BE(0, at + RangeEntry.Reserved);
+  frame.writeUInt32BE(rangeIndex >>> 0, at + RangeEntry.Range);
+  frame.writeUInt32BE(length >>> 0, at + RangeEntry.Length);
+  frame.writeUInt32BE(high, at + RangeEntry.OffsetHigh);
+  frame.writeUInt32BE(offset - high * TWO_32, at + RangeEntry.OffsetLow);
 }
 
 // Readers of a head (the body of a vector frame, from the counts on). The parser has checked
@@ -155,14 +174,18 @@ export function headRangeAt(tokenCount: number, i: number): number {
   return VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * i;
 }
 export function rangeTokenIndex(head: Buffer, at: number): number {
-  return head.readUInt16BE(at);
+  return head.readUInt16BE(at + RangeEntry.Token);
 }
-/** The range's offset; may exceed 2^53 (then it is beyond every registration anyway). */
+/** Which of its token's granted ranges the range is in (0 for a whole registration). */
+export function rangeGrantIndex(head: Buffer, at: number): number {
+  return head.readUInt32BE(at + RangeEntry.Range);
+}
+/** The range's offset inside its granted range; may exceed 2^53 (then it is beyond every range anyway). */
 export function rangeOffset(head: Buffer, at: number): number {
-  return head.readUInt32BE(at + 4) * TWO_32 + head.readUInt32BE(at + 8);
+  return head.readUInt32BE(at + RangeEntry.OffsetHigh) * TWO_32 + head.readUInt32BE(at + RangeEntry.OffsetLow);
 }
 export function rangeLength(head: Buffer, at: number): number {
-  return head.readUInt32BE(at + 12);
+  return head.readUInt32BE(at + RangeEntry.Length);
 }
 
 /**
@@ -177,9 +200,9 @@ export function checkVecHead(head: Buffer, dataLength: number): void {
   let sum = 0;
   let at = VEC_PREFIX_BYTES + TOKEN_BYTES * t;
   for (let i = 0; i < r; i++, at += RANGE_ENTRY_BYTES) {
-    if (head.readUInt16BE(at) >= t) throw new InvalidInputError(`range ${i} names token ${head.readUInt16BE(at)} of ${t}`, { details: { field: 'frame', range: i } });
-    if (head.readUInt16BE(at + 2) !== 0) throw new InvalidInputError(`range ${i} has reserved bits set`, { details: { field: 'frame', range: i } });
-    sum += head.readUInt32BE(at + 12);
+    if (head.readUInt16BE(at + RangeEntry.Token) >= t) throw new InvalidInputError(`range ${i} names token ${head.readUInt16BE(at + RangeEntry.Token)} of ${t}`, { details: { field: 'frame', range: i } });
+    if (head.readUInt16BE(at + RangeEntry.Reserved) !== 0) throw new InvalidInputError(`range ${i} has reserved bits set`, { details: { field: 'frame', range: i } });
+    sum += head.readUInt32BE(at + RangeEntry.Length);
   }
   if (dataLength >= 0 && sum !== dataLength) {
     throw new InvalidInputError(`WRITEV ranges add up to ${sum} bytes but the frame carries ${dataLength}`, { details: { field: 'frame' } });
@@ -187,7 +210,11 @@ export function checkVecHead(head: Buffer, dataLength: number): void {
 }
 
 export interface VecRange {
+  /** Index into the frame's token table. */
   readonly token: number;
+  /** Granted range index; absent means 0 (a whole registration's one range). */
+  readonly range?: number;
+  /** Offset inside that granted range. */
   readonly offset: number;
   readonly length: number;
 }
@@ -196,7 +223,7 @@ export interface VecRange {
 export function encodeReadvReq(reqId: number, tokens: readonly Uint8Array[], ranges: readonly VecRange[]): Buffer {
   const b = allocVecFrame(FrameType.ReadvReq, reqId, tokens.length, ranges.length, 0);
   tokens.forEach((t, i) => putToken(b, i, t));
-  ranges.forEach((r, i) => putRange(b, tokens.length, i, r.token, r.offset, r.length));
+  ranges.forEach((r, i) => putRange(b, tokens.length, i, r.token, r.range ?? 0, r.offset, r.length));
   return b;
 }
 
@@ -204,14 +231,15 @@ export function encodeReadvReq(reqId: number, tokens: readonly Uint8Array[], ran
 export function encodeWritevReq(reqId: number, tokens: readonly Uint8Array[], ranges: readonly VecRange[], data: Uint8Array): Buffer {
   const b = allocVecFrame(FrameType.WritevReq, reqId, tokens.length, ranges.length, data.length, data.length);
   tokens.forEach((t, i) => putToken(b, i, t));
-  ranges.forEach((r, i) => putRange(b, tokens.length, i, r.token, r.offset, r.length));
+  ranges.forEach((r, i) => putRange(b, tokens.length, i, r.token, r.range ?? 0, r.offset, r.length));
   b.set(data, b.length - data.length);
   return b;
 }
 
 /**
  * Object decoder of a head (the body of a vector frame up to its data), checking everything the
- * parser checks. For tests and tools. `dataLength` as in {@link checkVecHead}.
+ * parser checks. For tests and tools. `dataLength` as in {@link checkVecHead}. A range's `range`
+ * is present only when it is not 0, as {@link encodeReadvReq} takes it.
  */
 export function decodeVecHead(head: Uint8Array, dataLength = -1): { tokens: Uint8Array[]; ranges: VecRange[] } {
   const r = new ByteReader(head, 'vector head');
@@ -226,7 +254,11 @@ export function decodeVecHead(head: Uint8Array, dataLength = -1): { tokens: Uint
   const tokens = Array.from({ length: t }, (_, i) => head.slice(headTokenAt(i), headTokenAt(i) + TOKEN_BYTES));
   const ranges = Array.from({ length: n }, (_, i) => {
     const at = headRangeAt(t, i);
-    return { token: rangeTokenIndex(b, at), offset: rangeOffset(b, at), length: rangeLength(b, at) };
+    const range = rangeGrantIndex(b, at);
+    const token = rangeTokenIndex(b, at);
+    const offset = rangeOffset(b, at);
+    const length = rangeLength(b, at);
+    return range === 0 ? { token, offset, length } : { token, range, offset, length };
   });
   return { tokens, ranges };
 }
@@ -554,7 +586,8 @@ export class FrameParser {
       if (len === 0 || len > this.#maxData) this.#fail(`READV_DATA of ${len} bytes is out of range`);
       this.#enterData(len, this.#s.readvTarget(this.#reqId, len));
     } else if (type === FrameType.ReadvReq || type === FrameType.WritevReq) {
-      const min = vecHeadBytes(1, 1);
+      // Only the counts need to be inside the frame here; they are checked against its length next.
+      const min = VEC_PREFIX_BYTES;
       const max = type === FrameType.ReadvReq ? MAX_VEC_HEAD_BYTES : MAX_VEC_HEAD_BYTES + this.#maxData;
       if (len < min || len > max) this.#fail(`${type === FrameType.ReadvReq ? 'READV' : 'WRITEV'}_REQ of ${len} bytes is out of range`);
       this.#state = State.VecPrefix;

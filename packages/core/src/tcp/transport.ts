@@ -2,8 +2,13 @@
  * The TCP transport: one-sided READ and WRITE against memory the other side registered,
  * over the vectored protocol in frames.ts on `node:net`.
  *
- * - Every registration gets its own unguessable 128-bit grant token; revoking it makes
- *   further requests fail with `REVOKED`, and waits until no socket still references it.
+ * - Every registration gets its own unguessable 128-bit token (its one range is the whole
+ *   registration), and so does every range grant (register once, grant per lease): one token
+ *   and one table entry however many ranges it has, its range table kept as the engine made it.
+ *   A request names a token, a granted range index and an offset inside that range; the
+ *   responder checks it against that range in O(1), never against the whole registration.
+ *   Revoking a token (O(1) for a grant; a registration's revocation ends its grants too) makes
+ *   further requests fail with `REVOKED`, and waits until no socket still uses that memory.
  * - A stream batch becomes a few frames (at most {@link FRAME_TARGET_BYTES} of data, 8192
  *   ranges and 1024 tokens each, so frames pipeline), each one READV_REQ or WRITEV_REQ carrying
  *   many ranges. Encoded frames are cached per batch object (the engine posts the same batch
@@ -49,10 +54,13 @@ import {
 } from '../errors.js';
 import type { Logger } from '../logger.js';
 import {
+  GRANT_STRIDE,
+  GrantField,
   RANGE_STRIDE,
   RangeField,
   TRANSPORT_SPECIFICATION_VERSION,
   type ConnectOptions,
+  type GrantRanges,
   type ExecuteOptions,
   type Memory,
   type MemoryKind,
@@ -71,6 +79,7 @@ import {
   MAX_RANGES_PER_FRAME,
   MAX_TOKENS_PER_FRAME,
   NO_RANGE,
+  RANGE_ENTRY_BYTES,
   TOKEN_BYTES,
   allocVecFrame,
   decodeError,
@@ -88,6 +97,7 @@ import {
   putHeader,
   putRange,
   putToken,
+  rangeGrantIndex,
   rangeLength,
   rangeOffset,
   rangeTokenIndex,
@@ -123,7 +133,10 @@ export interface TcpTransportOptions {
 }
 
 const ENDPOINT_MAGIC = [0x54, 0x57, 0x54, 0x01]; // TWT v1
+/** Revoked tokens remembered (so peers get REVOKED rather than UNKNOWN_GRANT): the most recent this many. */
 const REVOKED_MEMORY = 4096;
+/** The wire's granted range index is a u32. */
+const MAX_WIRE_RANGE_INDEX = 0xffffffff;
 /** Destination ranges with at least this much still to come are received straight into their memory. */
 export const DIRECT_MIN_BYTES = 64 * 1024;
 /**
@@ -182,22 +195,30 @@ export function decodeTcpEndpoint(blob: Uint8Array): { host: string; port: numbe
   return { host, port };
 }
 
-/** A registration: the memory, its grant token, and which sockets still use it (and how often). */
-class TcpGrant {
+/**
+ * What a token names in the responder's table: a whole registration or a range grant. Both are
+ * the same to the responder: `count` ranges, range `k` at `ranges[k * GRANT_STRIDE + GrantField.X]`
+ * (Handle: index into `buffers`, Offset: where it starts in that buffer, Length), so a range
+ * check is `k < count && offset + length <= length of k`, O(1), and its bytes are
+ * `buffers[handle]` from `offset of k + offset`. The entry also counts which sockets still
+ * send from or receive into its memory, so revocation can wait for exactly those.
+ */
+abstract class TokenEntry {
   readonly token: Uint8Array;
   readonly key: string;
-  readonly buffer: Uint8Array;
-  /** The same memory as a Buffer: views of it go to the socket without another wrapper. */
-  readonly bytes: Buffer;
+  readonly count: number;
+  readonly ranges: Float64Array;
+  readonly buffers: readonly Buffer[];
   revoked = false;
   users = 0;
   readonly #byStream = new Map<TcpStream, number>();
   #idle: Deferred<void> | undefined;
-  constructor(buffer: Uint8Array) {
+  constructor(count: number, ranges: Float64Array, buffers: readonly Buffer[]) {
     this.token = randomBytes(TOKEN_BYTES);
     this.key = toHex(this.token);
-    this.buffer = buffer;
-    this.bytes = Buffer.from(buffer.buffer, buffer.byteOffset, buffer.byteLength);
+    this.count = count;
+    this.ranges = ranges;
+    this.buffers = buffers;
   }
   acquire(stream: TcpStream): void {
     this.users++;
@@ -221,11 +242,46 @@ class TcpGrant {
   }
 }
 
-/** A decoded remote descriptor: the peer's grant token and the length its descriptor claims. */
+/** A registration: its memory as one range (index 0, the whole of it). Also the local handle of a batch. */
+class TcpRegistration extends TokenEntry {
+  readonly buffer: Uint8Array;
+  /** The same memory as a Buffer: views of it go to the socket without another wrapper. */
+  readonly bytes: Buffer;
+  /** Live range grants over this registration: revoking it ends them. */
+  readonly grants = new Set<TcpRangeGrant>();
+  constructor(buffer: Uint8Array) {
+    const bytes = Buffer.from(buffer.buffer, buffer.byteOffset, buffer.byteLength);
+    super(1, Float64Array.of(0, 0, buffer.byteLength), [bytes]);
+    this.buffer = buffer;
+    this.bytes = bytes;
+  }
+}
+
+/**
+ * A range grant: the engine's range table (GrantRanges.ranges, validated by the engine and
+ * private to it) kept as it is, over the registrations' buffers. One token, one table entry,
+ * whatever the number of ranges; nothing is done per range to make or revoke it.
+ */
+class TcpRangeGrant extends TokenEntry {
+  readonly registrations: readonly TcpRegistration[];
+  constructor(registrations: readonly TcpRegistration[], count: number, ranges: Float64Array) {
+    super(count, ranges, registrations.map((r) => r.bytes));
+    this.registrations = registrations;
+  }
+}
+
+/**
+ * A decoded remote descriptor: the peer's token, and the lengths its descriptor claims for its
+ * ranges (one range, the whole registration, unless it is a range grant). The lengths only let
+ * this side refuse early; the peer checks every range against what it granted.
+ */
 class RemoteGrant {
   constructor(
     readonly token: Uint8Array,
     readonly byteLength: number,
+    readonly rangeLengths: Float64Array,
+    /** A range grant (its descriptor listed range lengths), not a whole registration. */
+    readonly granted: boolean,
   ) {}
 }
 
@@ -251,7 +307,7 @@ interface BatchPlan {
   /** The connection chunk limit it was checked against. */
   readonly cap: number;
   readonly write: boolean;
-  readonly grants: readonly TcpGrant[];
+  readonly grants: readonly TcpRegistration[];
   /** Per local: its memory as a Buffer (for sending). */
   readonly buffers: readonly Buffer[];
   readonly frames: readonly FramePlan[];
@@ -280,7 +336,7 @@ function planBatch(batch: TransferBatch, cap: number): BatchPlan {
   const r = batch.ranges;
   if (!Number.isSafeInteger(n) || n < 0 || !(r instanceof Float64Array) || r.length < n * RANGE_STRIDE) throw new InvalidInputError('batch range table is malformed');
   const grants = batch.locals.map((l) => {
-    if (!(l instanceof TcpGrant)) throw new InvalidInputError('local registration is not a tcp registration');
+    if (!(l instanceof TcpRegistration)) throw new InvalidInputError('local registration is not a tcp registration');
     return l;
   });
   const remotes = batch.remotes.map((x) => {
@@ -295,11 +351,15 @@ function planBatch(batch: TransferBatch, cap: number): BatchPlan {
     const m = r[at + RangeField.Remote] as number;
     const ro = r[at + RangeField.RemoteOffset] as number;
     const len = r[at + RangeField.Length] as number;
+    const k = r[at + RangeField.RemoteRange] as number;
     if (!isIndex(l, grants.length) || !isIndex(m, remotes.length)) throw badRange(batch, i, 'local or remote index is out of the batch tables');
-    if (r[at + RangeField.RemoteRange] !== 0) throw badRange(batch, i, 'tcp has no range grants: the remote range must be 0 (the whole registration)');
     if (!Number.isInteger(len) || len < 1 || len > cap) throw badRange(batch, i, `length ${len} is not 1..${cap} (the connection's chunk limit)`);
     if (!isOffset(lo) || lo + len > (buffers[l] as Uint8Array).length) throw badRange(batch, i, `${lo}+${len} does not fit the local registration`);
-    if (!isOffset(ro) || ro + len > (remotes[m] as RemoteGrant).byteLength) throw badRange(batch, i, `${ro}+${len} does not fit the remote registration`);
+    const lens = (remotes[m] as RemoteGrant).rangeLengths;
+    if (!isIndex(k, lens.length)) throw badRange(batch, i, `remote range ${k} does not exist (the remote has ${lens.length})`);
+    if (!isOffset(ro) || !(ro + len <= (lens[k] as number))) {
+      throw badRange(batch, i, `${ro}+${len} does not fit ${(remotes[m] as RemoteGrant).granted ? `remote granted range ${k} of ${lens[k]} bytes` : 'the remote registration'}`);
+    }
   }
   // Cut into frames: at most FRAME_TARGET_BYTES of data (one larger range stands alone), and the
   // protocol's range and token limits. Tokens are per frame, deduplicated.
@@ -320,7 +380,7 @@ function planBatch(batch: TransferBatch, cap: number): BatchPlan {
     used.forEach((m, t) => putToken(wire, t, (remotes[m] as RemoteGrant).token));
     for (let i = start; i < end; i++) {
       const at = i * RANGE_STRIDE;
-      putRange(wire, used.length, i - start, tokenOf[r[at + RangeField.Remote] as number] as number, r[at + RangeField.RemoteOffset] as number, r[at + RangeField.Length] as number);
+      putRange(wire, used.length, i - start, tokenOf[r[at + RangeField.Remote] as number] as number, r[at + RangeField.RemoteRange] as number, r[at + RangeField.RemoteOffset] as number, r[at + RangeField.Length] as number);
     }
     const scatter: ScatterList | undefined = write
       ? undefined
@@ -376,9 +436,9 @@ interface FramePending {
   cancelled: boolean;
 }
 
-/** An incoming WRITEV: the grants it writes into, or why it was refused. */
+/** An incoming WRITEV: the token entries it writes into, or why it was refused. */
 interface IncomingWrite {
-  readonly pinned: TcpGrant[] | undefined;
+  readonly pinned: TokenEntry[] | undefined;
   readonly code: string;
   readonly message: string;
   readonly range: number;
@@ -415,7 +475,8 @@ class TcpStream implements FrameSink {
   #receiving: FramePending | undefined;
   #incomingWrite: IncomingWrite | undefined;
   // Reused per frame by the responder (one frame is served at a time; writes keep their own).
-  readonly #tokenGrants: (TcpGrant | Refusal)[] = [];
+  readonly #tokenEntries: (TokenEntry | Refusal)[] = [];
+  /** Incoming WRITEV: the destination buffer of each range (table entry i names buffer i). */
   readonly #writeBuffers: Uint8Array[] = [];
   #writeTable = new Float64Array(0);
   /** For handshakes: the next control frame goes here. */
@@ -566,21 +627,21 @@ class TcpStream implements FrameSink {
       this.#incomingWrite = { pinned: undefined, ...checked };
       return undefined;
     }
-    // Where each range goes: [token index, offset, length] per range; buffers per token.
+    // Where each range goes: [i, offset in its buffer, length] per range, and buffer i per range.
     const tokens = headTokenCount(head);
     const count = headRangeCount(head);
+    const entries = this.#tokenEntries as TokenEntry[]; // every range's token is live: checked
     const buffers = this.#writeBuffers;
-    buffers.length = tokens;
-    for (let t = 0; t < tokens; t++) {
-      const g = this.#tokenGrants[t];
-      buffers[t] = g instanceof TcpGrant ? g.buffer : EMPTY;
-    }
+    buffers.length = count;
     if (this.#writeTable.length < count * 3) this.#writeTable = new Float64Array(Math.max(count, 64) * 3);
     const table = this.#writeTable;
     let at = headRangeAt(tokens, 0);
-    for (let i = 0; i < count; i++, at += 16) {
-      table[3 * i] = rangeTokenIndex(head, at);
-      table[3 * i + 1] = rangeOffset(head, at);
+    for (let i = 0; i < count; i++, at += RANGE_ENTRY_BYTES) {
+      const e = entries[rangeTokenIndex(head, at)] as TokenEntry;
+      const k = rangeGrantIndex(head, at) * GRANT_STRIDE;
+      buffers[i] = e.buffers[e.ranges[k + GrantField.Handle] as number] as Buffer;
+      table[3 * i] = i;
+      table[3 * i + 1] = (e.ranges[k + GrantField.Offset] as number) + rangeOffset(head, at);
       table[3 * i + 2] = rangeLength(head, at);
     }
     for (const g of checked) g.acquire(this);
@@ -612,34 +673,42 @@ class TcpStream implements FrameSink {
   // --- serving -------------------------------------------------------------------------
 
   /**
-   * Check every range of a vector head: tokens known and live, lengths ≥ 1, inside the grant,
-   * the total within the chunk limit. Returns the grants to pin (one per token), or the first
-   * refusal. Leaves the token lookups in #tokenGrants.
+   * Check every range of a vector head: tokens known and live, lengths ≥ 1, the granted range
+   * index one its token has, offset + length inside that granted range (never merely inside the
+   * registration), the total within the chunk limit. Returns the entries to pin (one per token),
+   * or the first refusal. Leaves the token lookups in #tokenEntries.
    */
-  #check(head: Buffer, dataLength: number): TcpGrant[] | Refusal {
+  #check(head: Buffer, dataLength: number): TokenEntry[] | Refusal {
     const tokens = headTokenCount(head);
     const count = headRangeCount(head);
-    const grants = this.#tokenGrants;
-    grants.length = tokens;
-    for (let t = 0; t < tokens; t++) grants[t] = this.#transport.lookupGrant(head, headTokenAt(t));
+    const entries = this.#tokenEntries;
+    entries.length = tokens;
+    for (let t = 0; t < tokens; t++) entries[t] = this.#transport.lookupToken(head, headTokenAt(t));
     const max = this.#transport.maxChunkBytes;
     let total = 0;
     let at = headRangeAt(tokens, 0);
-    for (let i = 0; i < count; i++, at += 16) {
-      const g = grants[rangeTokenIndex(head, at)] as TcpGrant | Refusal;
-      if (!(g instanceof TcpGrant)) return { code: g.code, message: `range ${i}: ${g.message}`, range: i };
+    for (let i = 0; i < count; i++, at += RANGE_ENTRY_BYTES) {
+      const e = entries[rangeTokenIndex(head, at)] as TokenEntry | Refusal;
+      if (!(e instanceof TokenEntry)) return { code: e.code, message: `range ${i}: ${e.message}`, range: i };
+      const k = rangeGrantIndex(head, at);
       const off = rangeOffset(head, at);
       const len = rangeLength(head, at);
       if (len === 0) return { code: 'BAD_REQUEST', message: `range ${i} has length 0`, range: i };
-      if (off + len > g.buffer.byteLength) {
-        return { code: 'OUT_OF_BOUNDS', message: `range ${i}: ${off}+${len} exceeds the registration of ${g.buffer.byteLength} bytes`, range: i };
+      if (k >= e.count) {
+        const what = e instanceof TcpRegistration ? 'a whole registration has only range 0' : `the grant has ${e.count} ranges`;
+        return { code: 'NO_SUCH_RANGE', message: `range ${i}: granted range ${k} does not exist (${what})`, range: i };
+      }
+      const rangeLen = e.ranges[k * GRANT_STRIDE + GrantField.Length] as number;
+      if (off + len > rangeLen) {
+        const what = e instanceof TcpRegistration ? `the registration of ${rangeLen} bytes` : `granted range ${k} of ${rangeLen} bytes`;
+        return { code: 'OUT_OF_BOUNDS', message: `range ${i}: ${off}+${len} exceeds ${what}`, range: i };
       }
       total += len;
       if (total > max) return { code: 'TOO_LARGE', message: `range ${i}: the frame asks for more than ${max} bytes`, range: i };
     }
     if (dataLength >= 0 && total !== dataLength) return { code: 'BAD_REQUEST', message: 'lengths do not match the data', range: NO_RANGE };
-    const pin: TcpGrant[] = [];
-    for (const g of grants) if (g instanceof TcpGrant) pin.push(g);
+    const pin: TokenEntry[] = [];
+    for (const e of entries) if (e instanceof TokenEntry) pin.push(e);
     return pin;
   }
 
@@ -651,11 +720,11 @@ class TcpStream implements FrameSink {
     }
     const tokens = headTokenCount(head);
     const count = headRangeCount(head);
-    const grants = this.#tokenGrants as TcpGrant[]; // every range's token is a grant: checked
+    const entries = this.#tokenEntries as TokenEntry[]; // every range's token is live: checked
     let total = 0;
     let small = 0;
     const first = headRangeAt(tokens, 0);
-    for (let i = 0, at = first; i < count; i++, at += 16) {
+    for (let i = 0, at = first; i < count; i++, at += RANGE_ENTRY_BYTES) {
       const len = rangeLength(head, at);
       total += len;
       if (len < ZERO_COPY_MIN_BYTES) small += len;
@@ -668,16 +737,18 @@ class TcpStream implements FrameSink {
     const parts: Uint8Array[] = [];
     let pos = HEADER_BYTES;
     let piece = 0;
-    for (let i = 0, at = first; i < count; i++, at += 16) {
-      const g = grants[rangeTokenIndex(head, at)] as TcpGrant;
-      const off = rangeOffset(head, at);
+    for (let i = 0, at = first; i < count; i++, at += RANGE_ENTRY_BYTES) {
+      const e = entries[rangeTokenIndex(head, at)] as TokenEntry;
+      const k = rangeGrantIndex(head, at) * GRANT_STRIDE;
+      const src = e.buffers[e.ranges[k + GrantField.Handle] as number] as Buffer;
+      const off = (e.ranges[k + GrantField.Offset] as number) + rangeOffset(head, at);
       const len = rangeLength(head, at);
       if (len >= ZERO_COPY_MIN_BYTES) {
         if (pos > piece) parts.push(out.subarray(piece, pos));
         piece = pos;
-        parts.push(g.bytes.subarray(off, off + len));
+        parts.push(src.subarray(off, off + len));
       } else {
-        g.bytes.copy(out, pos, off, off + len);
+        src.copy(out, pos, off, off + len);
         pos += len;
       }
     }
@@ -925,9 +996,9 @@ class TcpStream implements FrameSink {
   #armed: Op | undefined;
   #armedTimer: NodeJS.Timeout | undefined;
 
-  /** revoke() gave up waiting for this socket to stop using a registration. */
+  /** revoke() or revokeGrant() gave up waiting for this socket to stop using a registration or grant. */
   abortForRevoke(): void {
-    this.#owner.streamFailed(this, new ConnectionBrokenError('a registration this connection was using was revoked and the transfer did not finish in time'), true);
+    this.#owner.streamFailed(this, new ConnectionBrokenError('a registration or grant this connection was using was revoked and the transfer did not finish in time'), true);
   }
 
   /** Called after every read on an onread socket: the buffer libuv held has been used. */
@@ -990,9 +1061,8 @@ class TcpStream implements FrameSink {
   }
 }
 
-const EMPTY = new Uint8Array(0);
 const REFUSED_REVOKED: Refusal = { code: 'REVOKED', message: 'the grant was revoked', range: NO_RANGE };
-const REFUSED_UNKNOWN: Refusal = { code: 'UNKNOWN_GRANT', message: 'no registration has this token', range: NO_RANGE };
+const REFUSED_UNKNOWN: Refusal = { code: 'UNKNOWN_GRANT', message: 'no registration or grant has this token', range: NO_RANGE };
 
 export class TcpConnection implements TransportConnection {
   readonly transport = 'tcp';
@@ -1139,7 +1209,9 @@ export class TcpTransport implements Transport {
   /** @internal */
   readonly sendBuffers = new SendBufferPool();
   readonly #options: Required<Omit<TcpTransportOptions, 'advertiseHost'>> & { advertiseHost: string | undefined };
-  readonly #grants = new Map<string, TcpGrant>();
+  /** Token table: each live registration and range grant, by its token (hex). */
+  readonly #tokens = new Map<string, TokenEntry>();
+  #rangeGrants = 0;
   readonly #revokedKeys = new Set<string>();
   readonly #connections = new Set<TcpConnection>();
   readonly #pendingInbound = new Map<string, { conn: TcpConnection; arrived: number; timer: NodeJS.Timeout }>();
@@ -1202,8 +1274,19 @@ export class TcpTransport implements Transport {
     return this.#connections.size;
   }
 
+  /** Entries in the token table: live registrations plus live range grants (one each, whatever its size). */
   get grantCount(): number {
-    return this.#grants.size;
+    return this.#tokens.size;
+  }
+
+  /** Live range grants (each one entry of {@link grantCount}). */
+  get rangeGrantCount(): number {
+    return this.#rangeGrants;
+  }
+
+  /** @internal for leak tests: live range grants over a registration handle. */
+  rangeGrantsOver(handle: object): number {
+    return handle instanceof TcpRegistration ? handle.grants.size : 0;
   }
 
   /** @internal the engine's logger, once started. */
@@ -1257,52 +1340,112 @@ export class TcpTransport implements Transport {
   async register(memory: Memory): Promise<TransportRegistration> {
     if (this.#closed) throw new ClosedError('tcp transport is closed');
     if (memory.kind !== 'host') throw new InvalidInputError(`tcp moves host memory only, not ${memory.kind}`, { details: { field: 'memory.kind' } });
-    const grant = new TcpGrant(memory.buffer);
-    this.#grants.set(grant.key, grant);
-    return { handle: grant, payload: grant.token.slice() };
+    const reg = new TcpRegistration(memory.buffer);
+    this.#tokens.set(reg.key, reg);
+    return { handle: reg, payload: reg.token.slice() };
   }
 
+  /**
+   * Revoke a registration, and every range grant over it: from now on their tokens are
+   * answered with REVOKED. Resolves once no socket still sends from or receives into the
+   * registration through any of them (see {@link TcpTransportOptions.revokeGraceMs}).
+   */
   async revoke(handle: object): Promise<void> {
-    if (!(handle instanceof TcpGrant)) throw new InvalidInputError('not a tcp registration handle');
-    const wasLive = !handle.revoked;
-    if (!handle.revoked) {
-      handle.revoked = true;
-      this.#grants.delete(handle.key);
-      this.#revokedKeys.add(handle.key);
-      if (this.#revokedKeys.size > REVOKED_MEMORY) {
-        const oldest = this.#revokedKeys.values().next().value as string;
-        this.#revokedKeys.delete(oldest);
-      }
+    if (!(handle instanceof TcpRegistration)) throw new InvalidInputError('not a tcp registration handle');
+    const wasLive = this.#retire(handle);
+    const dependents: Promise<void>[] = [];
+    if (wasLive) for (const g of [...handle.grants]) dependents.push(this.revokeGrant(g));
+    await Promise.all([this.#quiesce(handle, wasLive), ...dependents]);
+  }
+
+  /**
+   * Grant access to ranges of registrations: one 128-bit token and one table entry for all of
+   * them. The range table is kept by reference (the engine's private copy, validated by it:
+   * ranges inside their registrations, non-empty, non-overlapping); nothing is done per range.
+   * The payload is the token alone; peers name a range by its index.
+   */
+  grant(spec: GrantRanges): TransportRegistration {
+    if (this.#closed) throw new ClosedError('tcp transport is closed');
+    const { handles, count, ranges } = spec;
+    if (!Number.isSafeInteger(count) || count < 1 || count > MAX_WIRE_RANGE_INDEX + 1 || !(ranges instanceof Float64Array) || ranges.length < count * GRANT_STRIDE) {
+      throw new InvalidInputError(`a tcp grant needs 1 to ${MAX_WIRE_RANGE_INDEX + 1} ranges of ${GRANT_STRIDE} numbers each`, { details: { field: 'ranges' } });
     }
-    if (!wasLive || handle.users === 0) return handle.idle();
+    if (!Array.isArray(handles) || handles.length === 0) throw new InvalidInputError('a tcp grant needs registration handles', { details: { field: 'handles' } });
+    const regs = handles.map((h, k) => {
+      if (!(h instanceof TcpRegistration) || h.revoked) throw new InvalidInputError(`handles[${k}] is not a live tcp registration`, { details: { field: 'handles', registration: k } });
+      return h;
+    });
+    const g = new TcpRangeGrant(regs, count, ranges);
+    for (const r of regs) r.grants.add(g);
+    this.#tokens.set(g.key, g);
+    this.#rangeGrants++;
+    return { handle: g, payload: g.token.slice() };
+  }
+
+  /**
+   * Revoke a range grant, O(1) in its number of ranges: its token leaves the table at once (and
+   * is answered with REVOKED from then on); resolves once no socket still sends from or
+   * receives into memory through this grant, with the same grace as {@link revoke}. Idempotent.
+   */
+  async revokeGrant(handle: object): Promise<void> {
+    if (!(handle instanceof TcpRangeGrant)) throw new InvalidInputError('not a tcp range grant handle');
+    const wasLive = this.#retire(handle);
+    if (wasLive) {
+      for (const r of handle.registrations) r.grants.delete(handle);
+      this.#rangeGrants--;
+    }
+    return this.#quiesce(handle, wasLive);
+  }
+
+  /** Take a token out of the table and remember it as revoked (bounded). False if it already was. */
+  #retire(entry: TokenEntry): boolean {
+    if (entry.revoked) return false;
+    entry.revoked = true;
+    this.#tokens.delete(entry.key);
+    this.#revokedKeys.add(entry.key);
+    if (this.#revokedKeys.size > REVOKED_MEMORY) {
+      const oldest = this.#revokedKeys.values().next().value as string;
+      this.#revokedKeys.delete(oldest);
+    }
+    return true;
+  }
+
+  /** Wait until no socket uses the entry's memory any more; sockets that stall past the grace are closed. */
+  async #quiesce(entry: TokenEntry, wasLive: boolean): Promise<void> {
+    if (!wasLive || entry.users === 0) return entry.idle();
     // Let sends and receives in progress finish; a peer that stalls them (stops reading, or
     // stops mid-payload) must not hold the memory forever: its sockets are closed.
     const timer = setTimeout(() => {
-      for (const stream of handle.streams) stream.abortForRevoke();
+      for (const stream of entry.streams) stream.abortForRevoke();
     }, this.revokeGraceMs);
     try {
-      await handle.idle();
+      await entry.idle();
     } finally {
       clearTimeout(timer);
     }
   }
 
-  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): unknown {
+  decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths?: Float64Array): unknown {
     if (memoryKind !== 'host') throw new InvalidInputError(`tcp cannot reach ${memoryKind} memory`, { details: { field: 'memoryKind' } });
     if (!(payload instanceof Uint8Array) || payload.length !== TOKEN_BYTES) {
       throw new InvalidInputError(`tcp descriptor payload must be ${TOKEN_BYTES} bytes, got ${payload?.length}`, { details: { field: 'payload' } });
     }
     if (!Number.isSafeInteger(byteLength) || byteLength < 0) throw new InvalidInputError(`byte length ${byteLength} is not a safe integer`, { details: { field: 'byteLength' } });
-    return new RemoteGrant(payload.slice(), byteLength);
+    if (rangeLengths === undefined) return new RemoteGrant(payload.slice(), byteLength, Float64Array.of(byteLength), false);
+    // Kept by reference (the engine's decoded descriptor, checked there); not walked per range.
+    if (!(rangeLengths instanceof Float64Array) || rangeLengths.length < 1 || rangeLengths.length > MAX_WIRE_RANGE_INDEX + 1) {
+      throw new InvalidInputError(`range lengths must be a Float64Array of 1 to ${MAX_WIRE_RANGE_INDEX + 1} lengths`, { details: { field: 'rangeLengths' } });
+    }
+    return new RemoteGrant(payload.slice(), byteLength, rangeLengths, true);
   }
 
-  /** @internal responder side: the live grant whose token is at `at` of `head`, or why there is none. One lookup per token per frame. */
-  lookupGrant(head: Buffer, at: number): TcpGrant | Refusal {
+  /** @internal responder side: the live entry whose token is at `at` of `head`, or why there is none. One lookup per token per frame. */
+  lookupToken(head: Buffer, at: number): TokenEntry | Refusal {
     const key = head.toString('hex', at, at + TOKEN_BYTES);
-    const g = this.#grants.get(key);
-    if (!g) return this.#revokedKeys.has(key) ? REFUSED_REVOKED : REFUSED_UNKNOWN;
-    if (g.revoked) return REFUSED_REVOKED;
-    return g;
+    const e = this.#tokens.get(key);
+    if (!e) return this.#revokedKeys.has(key) ? REFUSED_REVOKED : REFUSED_UNKNOWN;
+    if (e.revoked) return REFUSED_REVOKED;
+    return e;
   }
 
   /** @internal */
@@ -1541,8 +1684,9 @@ export class TcpTransport implements Transport {
     await Promise.allSettled(conns.map((c) => c.close(new ClosedError('tcp transport closed'))));
     for (const s of this.#sockets) s.destroy();
     if (server) await new Promise<void>((resolve) => server.close(() => resolve()));
-    for (const g of this.#grants.values()) g.revoked = true;
-    this.#grants.clear();
+    for (const e of this.#tokens.values()) e.revoked = true;
+    this.#tokens.clear();
+    this.#rangeGrants = 0;
   }
 
   [Symbol.asyncDispose](): Promise<void> {
