@@ -470,28 +470,20 @@ function normalizeGrantSpec(spec: GrantSpec, max: number): { regs: readonly Regi
 }
 
 /** Two granted ranges of one registration sharing a byte, as [later, earlier], or undefined. */
-function findGrantOverlap(ranges: Float64Array, count: number, regs: number): [number, number] | undefined {
-  const lastEnd = new Float64Array(regs).fill(-1);
-  let monotone = true;
-  for (let i = 0; i < count && monotone; i++) {
-    const at = i * GRANT_STRIDE;
-    const r = ranges[at + GrantField.Handle] as number;
-    const off = ranges[at + GrantField.Offset] as number;
-    if (off < (lastEnd[r] as number)) monotone = false;
-    else lastEnd[r] = off + (ranges[at + GrantField.Length] as number);
-  }
-  if (monotone) return undefined;
+function findGrantOverlap(ranges: Float64Array, count: number): [number, number] | undefined {
   const order = Array.from({ length: count }, (_, i) => i);
   const key = (i: number, f: number): number => ranges[i * GRANT_STRIDE + f] as number;
   order.sort((a, b) => key(a, GrantField.Handle) - key(b, GrantField.Handle) || key(a, GrantField.Offset) - key(b, GrantField.Offset) || a - b);
+  let best: [number, number] | undefined;
   for (let k = 1; k < count; k++) {
     const a = order[k - 1] as number;
     const b = order[k] as number;
     if (key(a, GrantField.Handle) === key(b, GrantField.Handle) && key(b, GrantField.Offset) < key(a, GrantField.Offset) + key(a, GrantField.Length)) {
-      return [Math.max(a, b), Math.min(a, b)];
+      const pair: [number, number] = [Math.max(a, b), Math.min(a, b)];
+      if (best === undefined || pair[0] < best[0]) best = pair;
     }
   }
-  return undefined;
+  return best;
 }
 
 
@@ -685,25 +677,35 @@ export class TransferEngine {
       if (kind !== undefined && reg.memoryKind !== kind) throw new InvalidInputError('a grant covers memory of one kind', { details: { field: 'registration', registration: k } });
       kind = reg.memoryKind;
     }
-    // Bounds per range (tight loop over the typed array) and overlap.
+    // One tight loop over the typed array: shape and bounds per range, the lengths for the
+    // descriptor, and whether ranges come in increasing order per registration (then they
+    // cannot overlap; otherwise a sort decides).
+    const nregs = regs.length;
+    const limit = new Float64Array(nregs);
+    for (let k = 0; k < nregs; k++) limit[k] = (regs[k] as Registration).byteLength;
+    const lastEnd = new Float64Array(nregs);
+    let ordered = true;
     let bytes = 0;
     const lengths = new Float64Array(count);
-    for (let i = 0; i < count; i++) {
-      const at = i * GRANT_STRIDE;
-      const r = ranges[at + GrantField.Handle] as number;
-      const off = ranges[at + GrantField.Offset] as number;
-      const len = ranges[at + GrantField.Length] as number;
-      const reg = regs[r];
-      if (reg === undefined || !Number.isSafeInteger(off) || off < 0 || !Number.isSafeInteger(len) || len < 1 || off + len > reg.byteLength) {
+    for (let i = 0, at = 0; i < count; i++, at += GRANT_STRIDE) {
+      const r = ranges[at] as number;
+      const off = ranges[at + 1] as number;
+      const len = ranges[at + 2] as number;
+      // NaN fails every comparison; trunc refuses fractions; off + len <= limit keeps it safe.
+      if (!(r >= 0 && r < nregs && Math.trunc(r) === r && off >= 0 && Math.trunc(off) === off && len >= 1 && Math.trunc(len) === len && off + len <= (limit[r] as number))) {
         throw new InvalidInputError(`ranges[${i}] (${String(off)}+${String(len)} of registration ${String(r)}) is empty or outside its registration`, {
           details: { field: 'ranges', range: i },
         });
       }
+      if (off < (lastEnd[r] as number)) ordered = false;
+      else lastEnd[r] = off + len;
       lengths[i] = len;
       bytes += len;
     }
-    const overlap = findGrantOverlap(ranges, count, regs.length);
-    if (overlap) throw new InvalidInputError(`ranges[${overlap[0]}] overlaps ranges[${overlap[1]}]`, { details: { field: 'ranges', range: overlap[0] } });
+    if (!ordered) {
+      const overlap = findGrantOverlap(ranges, count);
+      if (overlap) throw new InvalidInputError(`ranges[${overlap[0]}] overlaps ranges[${overlap[1]}]`, { details: { field: 'ranges', range: overlap[0] } });
+    }
     const wanted = options.transports ?? [...this.#transports.keys()];
     const entries = new Map<string, RegistrationEntry>();
     const skipped = new Map<string, string>();
