@@ -1,20 +1,21 @@
 /**
- * The bench's opaque per-block descriptor, handed out by the holder's lock service:
- *   u16 raw-baseline port | u16 endpoint length | engine endpoint | engine memory descriptor
- * lock-client never looks inside it.
+ * The bench holder adds one per-block descriptor to each lease, on its first block: the port of
+ * its raw-socket baseline (u16), so a requester on another machine (`fetch --holder`) can run
+ * the baseline against the same holder. The blocks themselves travel through the library's
+ * fetch flow (`engineGrants` / `client.fetch`), not through bench code.
  */
 import { ByteReader, ByteWriter } from '@tensorwire/core';
 
-export function encodeBlockGrant(rawPort: number, endpoint: Uint8Array, descriptor: Uint8Array): Uint8Array {
-  return new ByteWriter(64 + endpoint.length + descriptor.length).u16(rawPort).blob16(endpoint).bytes(descriptor).finish();
+export function encodeRawPort(port: number): Uint8Array {
+  return new ByteWriter(4).u16(port).finish();
 }
 
-export function decodeBlockGrant(bytes: Uint8Array): { rawPort: number; endpoint: Uint8Array; descriptor: Uint8Array } {
-  const r = new ByteReader(bytes, 'block grant');
-  const rawPort = r.u16('raw port');
-  const endpoint = r.blob16('endpoint');
-  const descriptor = r.bytes(r.remaining, 'descriptor');
-  return { rawPort, endpoint, descriptor };
+export function decodeRawPort(bytes: Uint8Array | undefined): number | undefined {
+  if (bytes === undefined) return undefined;
+  const r = new ByteReader(bytes, 'raw port');
+  const port = r.u16('raw port');
+  r.end();
+  return port;
 }
 
 /**

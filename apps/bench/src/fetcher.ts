@@ -1,15 +1,16 @@
 /**
- * The requester half of `run` (also `tensorwire-bench fetch`): repeatedly lease a random set
- * of blocks on the holder, read them through the engine's chosen transport, verify every
- * byte, release (exactly once, by `await using`). Then the raw-socket and memcpy baselines.
+ * The requester half of `run` (also `tensorwire-bench fetch`): repeatedly fetch a random set
+ * of blocks from the holder with the library's `client.fetch` (lease, range grant, one batched
+ * read through the engine's chosen transport), verify every byte, release (exactly once, by
+ * `await using`). Then the raw-socket and memcpy baselines.
  * The engine is built with the transports `transport` allows (see transports.ts): by default
  * cuda-ipc and TCP, so on the holder's host the engine takes the same-host path.
  */
 import net from 'node:net';
 import { TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
-import { LockClient } from '@tensorwire/lock-client';
-import { blockId, blockSeed, decodeBlockGrant } from './fetch-protocol.js';
+import { LockClient, decodeFetchDescriptor } from '@tensorwire/lock-client';
+import { blockId, blockSeed, decodeRawPort } from './fetch-protocol.js';
 import { gbps, nowMs, summarize } from './stats.js';
 import { requesterTransports, type TransportChoice } from './transports.js';
 import { BenchError, type Measurement, type Ratio } from './types.js';
@@ -78,35 +79,34 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
           const chosen = pick(o.blocks, o.blocksPerFetch);
           const t0 = nowMs();
           try {
-            await using lease = await client.acquire(o.lockAddress, chosen.map(blockId), { timeoutMs: 5_000, ...(o.signal ? { signal: o.signal } : {}) });
+            // The library's fetch flow: lease + one range grant + one batched read + length checks.
+            await using fetch = await client.fetch(
+              engine,
+              o.lockAddress,
+              chosen.map(blockId),
+              chosen.map((_, k) => ({ local, offset: k * o.blockBytes, length: o.blockBytes })),
+              { timeoutMs: 5_000, ...(o.signal ? { signal: o.signal } : {}) },
+            );
             const t1 = nowMs();
-            lockMs.push(t1 - t0);
-            const grants = chosen.map((i) => decodeBlockGrant(lease.descriptorsFor(blockId(i))[0] as Uint8Array));
-            rawPort = grants[0]?.rawPort ?? rawPort;
-            const endpoint = grants[0]?.endpoint as Uint8Array;
+            fetchMs.push(t1 - t0);
+            rawPort = decodeRawPort(fetch.lease.descriptorsFor(blockId(chosen[0] as number))[0]) ?? rawPort;
             if (!explained) {
               explained = true;
+              const { endpoint } = decodeFetchDescriptor(fetch.lease.leaseDescriptors[0] as Uint8Array);
               const ex = engine.explain(endpoint);
               chosenTransport = ex.chosen;
-              if (ex.chosen === undefined) {
-                fatal = new BenchError(`no transport (--transport ${choice}) can reach the holder: ${ex.reason}`);
-                return;
-              }
-              notes.push(`transport chosen: ${ex.chosen} — ${ex.reason}`);
+              notes.push(`transport chosen: ${ex.chosen ?? 'none'} — ${ex.reason}`);
             }
-            buffer.fill(0);
-            const report = await engine.read(
-              endpoint,
-              grants.map((g, k) => ({ local, localOffset: k * o.blockBytes, remote: g.descriptor, length: o.blockBytes })),
-              { deadline: lease.transferDeadline, signal: lease.signal },
-            );
-            fetchMs.push(nowMs() - t1);
-            used.add(report.transport);
+            used.add(fetch.transport);
             chosen.forEach((i, k) => {
               if (Buffer.compare(buffer.subarray(k * o.blockBytes, (k + 1) * o.blockBytes), expected[i] as Uint8Array) !== 0) failures++;
             });
+            buffer.fill(0);
             bytes += chosen.length * o.blockBytes;
             fetches++;
+            const t2 = nowMs();
+            await fetch.release();
+            lockMs.push(nowMs() - t2);
           } catch (e) {
             failedFetches++;
             if (failedFetches === 1) notes.push(`first failed fetch: ${e instanceof Error ? e.message : String(e)}`);
@@ -124,10 +124,10 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
     const elapsed = nowMs() - start;
     const transport = [...used].join('+') || (chosenTransport ?? 'none');
     if (used.size > 0 && (used.size !== 1 || !used.has(chosenTransport as string))) notes.push(`transports the engine reported using: ${transport} (explain() said ${chosenTransport})  <-- MISMATCH`);
-    const subject = 'leased fetch via engine (lock + read + verify + release)';
+    const subject = 'leased fetch via client.fetch (lease + range grant + read; verify and release after)';
     const measurements: Measurement[] = [
       { name: subject, role: 'subject', transport, blockBytes: o.blockBytes, totalBytes: bytes, gbps: gbps(bytes, elapsed), opsPerSec: fetches / (elapsed / 1000), latency: summarize(fetchMs) },
-      { name: 'lock acquire (gRPC round trip)', role: 'subject', latency: summarize(lockMs), opsPerSec: lockMs.length / (elapsed / 1000) },
+      { name: 'lease release (gRPC round trip)', role: 'subject', latency: summarize(lockMs), opsPerSec: lockMs.length / (elapsed / 1000) },
     ];
     // Baselines, same processes, right after: the same bytes over a raw socket, and memcpy.
     const rawTotal = Math.max(bytes, o.blockBytes * 16);

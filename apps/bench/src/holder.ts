@@ -3,17 +3,16 @@
  * host pool filled with a verifiable pattern, the lock service, and the engine's transports:
  * the same-host `cuda-ipc` transport (pool slots are shared memory, so it grants them
  * zero-copy) and TCP, so a requester on this host takes the fast path and one elsewhere TCP.
- * Each lease registers its blocks with the engine afresh (a new unguessable grant per block per
- * transport per lease) and revokes them when the lease ends, so a peer can only read what its
- * live lease pins.
+ * Every slot is registered with the engine once; each lease gets one range grant over its blocks
+ * from the library (`engineGrants`), revoked when the lease ends, so a peer can only read what
+ * its live lease pins.
  */
 import net from 'node:net';
-import { TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
+import { TransferEngine, silentLogger, type GrantRange } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { TensorPool } from '@tensorwire/cuda-ipc';
-import { LeaseError } from '@tensorwire/lock-client';
-import { startLockServer, type LockServer } from '@tensorwire/lock-client/server';
-import { BLOCK_OWNER, blockSeed, encodeBlockGrant, poolOwner } from './fetch-protocol.js';
+import { engineGrants, startLockServer, type LockServer } from '@tensorwire/lock-client/server';
+import { blockId, blockSeed, encodeRawPort, poolOwner } from './fetch-protocol.js';
 import { holderTransports } from './transports.js';
 
 export interface HolderOptions {
@@ -94,26 +93,23 @@ async function finish(o: HolderOptions, pool: TensorPool, engine: TransferEngine
   closers.push(() => new Promise((r) => raw.close(r)));
   const rawPort = (raw.address() as net.AddressInfo).port;
 
-  const grants = new Map<string, Registration[]>(); // session id -> its lease-scoped registrations
+  // Register every pool slot once; each lease gets one range grant over its blocks
+  // (@tensorwire/lock-client/server engineGrants), revoked when the lease ends.
+  const blocks = new Map<string, GrantRange>();
+  for (const [i, buffer] of memory.entries()) blocks.set(blockId(i), { registration: await engine.register({ kind: 'host', buffer }), offset: 0, length: o.blockBytes });
+  const grants = engineGrants({ engine, blocks });
+  const rawPortBlob = encodeRawPort(rawPort);
   const server = await startLockServer({
     holderId: 'bench-holder',
     lockTimeoutMs: o.lockTimeoutMs,
     address: o.lockAddress,
     logger: silentLogger,
-    pin: (id) => {
-      const i = Number(id.split(':')[2]);
-      if (!id.startsWith(`block:${BLOCK_OWNER}:`) || !(i >= 0 && i < o.blocks)) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
-    },
+    pin: grants.pin,
+    revoke: grants.revoke,
     resolve: async (ids, lease) => {
-      const regs = await Promise.all(ids.map((id) => engine.register({ kind: 'host', buffer: memory[Number(id.split(':')[2])] as Uint8Array })));
-      grants.set(lease.sessionId, regs);
-      const endpoint = engine.endpoint();
-      return regs.map((r) => encodeBlockGrant(rawPort, endpoint, r.descriptor));
-    },
-    revoke: (lease) => {
-      const regs = grants.get(lease.sessionId);
-      grants.delete(lease.sessionId);
-      for (const r of regs ?? []) void r.revoke();
+      const r = await grants.resolve(ids, lease);
+      // The bench's own extra: its raw baseline's port, on the first block (see fetch-protocol.ts).
+      return { lease: (r as { lease: readonly Uint8Array[] }).lease, blocks: ids.map((_, k) => (k === 0 ? [rawPortBlob] : [])) };
     },
   });
   const lockAddress = `${o.lockAddress.replace(/:\d+$/, '')}:${server.port}`;
@@ -126,10 +122,12 @@ async function finish(o: HolderOptions, pool: TensorPool, engine: TransferEngine
     notes,
     counters() {
       const c = server.counters();
-      return { acquired: c.acquired, released: c.released, expired: c.expired, active: c.active, activeBlocks: c.activeBlocks, rejected: c.rejected, liveGrants: grants.size };
+      const g = grants.counters();
+      return { acquired: c.acquired, released: c.released, expired: c.expired, active: c.active, activeBlocks: c.activeBlocks, rejected: c.rejected, grantsIssued: g.issued, grantsRevoked: g.revoked, liveGrants: g.live };
     },
     async close() {
       await server.close({ graceMs: 1000 });
+      await grants.settled();
       raw.close();
       await engine.close();
       await pool.close();

@@ -89,7 +89,22 @@ export function firstAdjacent(offsets: Float64Array, blockBytes: number): number
 }
 
 /** What the kv requester measures: the engine on each transport, prepared or not, and the two baselines. */
-export type KvMethod = 'same-host-prepared' | 'same-host-read' | 'tcp-prepared' | 'tcp-read' | 'raw' | 'memcpy';
+export type KvMethod = 'same-host-prepared' | 'same-host-read' | 'same-host-leased' | 'tcp-prepared' | 'tcp-read' | 'tcp-leased' | 'raw' | 'memcpy';
+
+/**
+ * The lock-service block id of the descriptor at `offset` of `blockBytes` in the holder's region:
+ * the holder's block map (`engineGrants`) parses it back, so any scatter can be leased.
+ */
+export function kvBlockId(offset: number, blockBytes: number): string {
+  return `block:kv:${offset}_${blockBytes}`;
+}
+
+/** The inverse of {@link kvBlockId}, or undefined for an id that is not one. */
+export function parseKvBlockId(id: string): { offset: number; length: number } | undefined {
+  const m = /^block:kv:(\d{1,15})_(\d{1,15})$/.exec(id);
+  if (!m) return undefined;
+  return { offset: Number(m[1]), length: Number(m[2]) };
+}
 
 export interface KvMethodResult {
   readonly method: KvMethod;

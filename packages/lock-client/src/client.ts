@@ -28,7 +28,9 @@ import {
   silentLogger,
   type Logger,
   type TensorwireError,
+  type TransferEngine,
 } from '@tensorwire/core';
+import { fetchBlocks, type FetchDestination, type FetchGuard, type FetchOptions } from './fetch.js';
 import { Registry } from 'prom-client';
 import { fromGrpcError, isPermanentReleaseFailure } from './errors.js';
 import { blockIdProblem, occursBefore, PAIRWISE_MAX } from './ids.js';
@@ -201,6 +203,7 @@ interface LeaseRecord {
   readonly blockIds: readonly string[];
   readonly lockTimeoutMs: number;
   readonly descriptors: ReadonlyMap<string, readonly Uint8Array[]>;
+  readonly leaseDescriptors: readonly Uint8Array[];
   /** Created on first use of `guard.signal` (most cycles never look at it). */
   controller: AbortController | undefined;
   /** Why the lease ended, once it has: the reason `signal` carries. */
@@ -278,6 +281,10 @@ export class LockGuard implements AsyncDisposable {
   /** Per block, the holder's opaque transfer descriptors for this lease. */
   get descriptors(): ReadonlyMap<string, readonly Uint8Array[]> {
     return this.#r.descriptors;
+  }
+  /** The holder's opaque descriptors for the whole lease (e.g. one range grant; empty when none). */
+  get leaseDescriptors(): readonly Uint8Array[] {
+    return this.#r.leaseDescriptors;
   }
   /** The descriptors of one block (empty when the holder has none). */
   descriptorsFor(blockId: string): readonly Uint8Array[] {
@@ -457,6 +464,20 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   }
 
   /**
+   * The remote fetch flow in one call: lease `blockIds` on `holder`, read block i into
+   * `destinations[i]` through `engine` (one batch, over the transport the engine chooses for
+   * the holder: the same-host one on one host), check every block's length, and return a
+   * guard that holds the lease until disposed. On any failure the lease is released before
+   * the error is rethrown; the guard releases exactly once. The holder serves its leases with
+   * `engineGrants` from `@tensorwire/lock-client/server`.
+   *
+   * `await using fetch = await client.fetch(engine, holder, blockIds, destinations, { deadline, signal })`
+   */
+  fetch(engine: TransferEngine, holder: string, blockIds: readonly string[], destinations: readonly FetchDestination[], options: FetchOptions = {}): Promise<FetchGuard> {
+    return fetchBlocks((h, ids, o) => this.acquire(h, ids, o), engine, holder, blockIds, destinations, options);
+  }
+
+  /**
    * Pin `blockIds` on `holder` (`host:port`) under a lease. Resolves to a guard; use it as
    * `await using lock = await client.acquire(holder, blocks)`. Rejects with typed errors
    * (InvalidInputError, ResourceExhaustedError, RemoteRejectedError, ConnectionBrokenError,
@@ -522,6 +543,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       blockIds: ids,
       lockTimeoutMs: res.lockTimeoutMs,
       descriptors,
+      leaseDescriptors: res.leaseDescriptors ?? [],
       controller: undefined,
       endReason: undefined,
       leaseMs: res.leaseMs,

@@ -85,6 +85,7 @@ interface RawAcquireResponse {
   lockTimeoutMs: number;
   blocks: RawBlockGrant[];
   holderId: string;
+  leaseDescriptors: Buffer[];
 }
 interface RawRenewResponse {
   deadlineUnixMs: U64;
@@ -171,6 +172,7 @@ export function createLockCodec(protoPath: string): LockCodec {
     AcquireResponse: {
       encode: (m) => {
         if (m.blocks != null) checkDescriptors(m.blocks);
+        if (m.leaseDescriptors != null) checkDescriptors([{ blockId: '', descriptors: m.leaseDescriptors }]);
         return enc(tAcquireRes, m);
       },
       decode: (b) => {
@@ -184,6 +186,7 @@ export function createLockCodec(protoPath: string): LockCodec {
           lockTimeoutMs: r.lockTimeoutMs,
           blocks,
           holderId: r.holderId,
+          leaseDescriptors: list(r.leaseDescriptors),
         };
       },
     },

@@ -4,6 +4,10 @@
  * The holder side is `@tensorwire/lock-client/server`.
  */
 export { LockClient, LockGuard } from './client.js';
+export { FetchGuard } from './fetch.js';
+export type { FetchDestination, FetchOptions } from './fetch.js';
+export { decodeFetchDescriptor, encodeFetchDescriptor } from './fetch-descriptor.js';
+export type { FetchDescriptor } from './fetch-descriptor.js';
 export type {
   AcquireOptions,
   AutoRenewOptions,

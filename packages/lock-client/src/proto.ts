@@ -28,6 +28,8 @@ export interface AcquireResponseMsg {
   lockTimeoutMs: number;
   blocks: BlockGrantMsg[];
   holderId: string;
+  /** Descriptors covering the whole lease (empty when the resolver gives none). */
+  leaseDescriptors?: Uint8Array[];
 }
 export interface ReleaseRequestMsg {
   requesterId: string;

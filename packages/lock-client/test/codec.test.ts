@@ -52,10 +52,10 @@ function plain(v: unknown): unknown {
 /** Unknown fields of every wire type, numbered past the schema's. */
 const unknownFields = fc.array(
   fc.oneof(
-    fc.record({ wire: fc.constant(0), field: fc.integer({ min: 7, max: 2000 }), value: fc.nat() }),
-    fc.record({ wire: fc.constant(1), field: fc.integer({ min: 7, max: 2000 }), value: fc.nat() }),
-    fc.record({ wire: fc.constant(2), field: fc.integer({ min: 7, max: 2000 }), value: fc.nat(40) }),
-    fc.record({ wire: fc.constant(5), field: fc.integer({ min: 7, max: 2000 }), value: fc.nat() }),
+    fc.record({ wire: fc.constant(0), field: fc.integer({ min: 8, max: 2000 }), value: fc.nat() }),
+    fc.record({ wire: fc.constant(1), field: fc.integer({ min: 8, max: 2000 }), value: fc.nat() }),
+    fc.record({ wire: fc.constant(2), field: fc.integer({ min: 8, max: 2000 }), value: fc.nat(40) }),
+    fc.record({ wire: fc.constant(5), field: fc.integer({ min: 8, max: 2000 }), value: fc.nat() }),
   ),
   { maxLength: 4 },
 );
@@ -118,6 +118,7 @@ describe('lock protocol codec', () => {
           lockTimeoutMs: u32,
           blocks: fc.array(fc.record({ blockId: text, descriptors: fc.array(bytes, { maxLength: 3 }) }), { maxLength: 5 }),
           holderId: text,
+          leaseDescriptors: fc.array(bytes, { maxLength: 2 }),
         }),
         unknownFields,
         (m, u) => agree(res, m, u),

@@ -91,8 +91,10 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
 const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-prepared': (t) => `${t}: engine.prepare + run()`,
   'same-host-read': (t) => `${t}: engine.read`,
+  'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
+  'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
   raw: () => 'raw node:net stream (same byte count)',
   memcpy: () => 'memcpy (Buffer.copy per descriptor, JS loop)',
 };
@@ -118,14 +120,14 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
   const holder = spawnWorker('kv-holder', [String(s.regionBytes), String(SEED), unavailable === undefined ? '1' : '0']);
   let requester: ReturnType<typeof spawnWorker> | undefined;
   try {
-    const ready = await holder.next<{ endpoint: string; descriptor: string; rawPort: number; transports: string[]; notes: string[] }>((m) => m['type'] === 'ready', ctx.signal);
-    const cfg = { endpoint: ready.endpoint, descriptor: ready.descriptor, rawPort: ready.rawPort, regionBytes: s.regionBytes, seed: SEED, maxRequestBytes: s.maxRequestBytes, transport: s.transport };
+    const ready = await holder.next<{ endpoint: string; descriptor: string; rawPort: number; lockAddress: string; transports: string[]; notes: string[] }>((m) => m['type'] === 'ready', ctx.signal);
+    const cfg = { endpoint: ready.endpoint, descriptor: ready.descriptor, rawPort: ready.rawPort, lockAddress: ready.lockAddress, regionBytes: s.regionBytes, seed: SEED, maxRequestBytes: s.maxRequestBytes, transport: s.transport };
     requester = spawnWorker('kv-requester', [Buffer.from(JSON.stringify(cfg)).toString('base64')]);
     const req = requester;
     const hello = await req.next<{ type: string; lanes: ('same-host' | 'tcp')[]; transports: Record<string, string>; notes: string[]; message?: string }>((m) => m['type'] === 'ready' || m['type'] === 'error', ctx.signal);
     if (hello.type === 'error') throw new BenchError(`the kv requester failed: ${hello.message}`);
     const methods: KvMethod[] = [];
-    for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`);
+    for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`);
     methods.push('raw', 'memcpy');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
     const transportOf = (m: KvMethod): string => (m.startsWith('same-host') ? (hello.transports['same-host'] as string) : m.startsWith('tcp') ? (hello.transports['tcp'] as string) : '');
@@ -203,8 +205,51 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
             ...(g !== undefined ? { goal: g, pass: value >= g } : {}),
           });
         }
+        // The lease and grant overhead: the whole leased fetch against the same engine.read alone.
+        const leased = gbpsOf.get(`${ci}/${lane}-leased`) as number;
+        const plain = gbpsOf.get(`${ci}/${lane}-read`) as number;
+        const lg = lane === 'same-host' && c.blockBytes === 64 * KiB && c.sweep !== 'batch' ? 0.8 : undefined;
+        ratios.push({
+          name: `${lane} leased/engine.read @ ${label(c)} (lease + grant overhead)`,
+          subject: NAMES[`${lane}-leased`](transportOf(`${lane}-leased`)),
+          baseline: NAMES[`${lane}-read`](transportOf(`${lane}-read`)),
+          blockBytes: c.blockBytes,
+          descriptors: descriptorsOf(c),
+          value: leased / plain,
+          ...(lg !== undefined ? { goal: lg, pass: leased / plain >= lg } : {}),
+        });
       }
     }
+
+    // Grant cost against the number of ranges (register once, grant per lease), and the old way.
+    const GRANT_SIZES = ctx.quick ? [10, 1000] : [10, 1000, 10_000];
+    holder.send({ type: 'grant-cost', blockBytes: 4 * KiB, ranges: GRANT_SIZES, registerBlocks: ctx.quick ? 100 : 1000 });
+    const gc = await holder.next<{ rows?: { ranges: number; grantUs: number; revokeUs: number }[]; perBlock?: { grantUs: number; revokeUs: number }; error?: string }>((m) => m['type'] === 'grant-cost', ctx.signal);
+    if (gc.error || !gc.rows || !gc.perBlock) throw new BenchError(`kv grant cost failed: ${gc.error ?? 'no result'}`);
+    for (const row of gc.rows) {
+      measurements.push({ name: `engine.grant over ${row.ranges} ranges (4 KiB each)`, role: 'subject', opsPerSec: 1e6 / row.grantUs, extra: { grantUs: row.grantUs, revokeUs: row.revokeUs, revokesPerSec: 1e6 / row.revokeUs, ranges: row.ranges } });
+    }
+    measurements.push({
+      name: 'engine.register per 4 KiB block (the way before range grants)',
+      role: 'baseline',
+      opsPerSec: 1e6 / gc.perBlock.grantUs,
+      extra: { registerUs: gc.perBlock.grantUs, revokeUs: gc.perBlock.revokeUs, revokesPerSec: 1e6 / gc.perBlock.revokeUs },
+    });
+    const small = gc.rows[0] as { ranges: number; grantUs: number };
+    const large = gc.rows[gc.rows.length - 1] as { ranges: number; grantUs: number };
+    ratios.push({
+      name: `grant cost flatness: time of a grant over ${small.ranges} ranges / over ${large.ranges} ranges`,
+      subject: `engine.grant over ${large.ranges} ranges (4 KiB each)`,
+      baseline: `engine.grant over ${small.ranges} ranges (4 KiB each)`,
+      value: small.grantUs / large.grantUs,
+      ...(large.ranges >= 10_000 ? { goal: 0.5, pass: small.grantUs / large.grantUs >= 0.5 } : {}),
+    });
+    ratios.push({
+      name: `a grant over ${large.ranges} blocks against ${large.ranges} per-block registrations`,
+      subject: `engine.grant over ${large.ranges} ranges (4 KiB each)`,
+      baseline: 'engine.register per 4 KiB block (the way before range grants)',
+      value: (gc.perBlock.grantUs * large.ranges) / large.grantUs,
+    });
 
     const notes: string[] = [
       `holder region: ${formatBytes(s.regionBytes)} (${unavailable === undefined ? 'a shared segment from allocateSharedMemory' : 'process memory'}), registered once with ${ready.transports.join(', ')}`,
@@ -213,6 +258,8 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
       `each method, per shape and round: 1 untimed warm-up fetch, then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
+      'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s ranges with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead',
+      'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs; against engine.register of each 4 KiB block separately (what a lease cost before range grants)',
       'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
       'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call)',
       'raw baseline: the holder writes the same byte count per fetch from its region as one contiguous run over one node:net socket (slices of at most 4 MiB), received straight into the destination with onread: no per-descriptor work, a ceiling for TCP',

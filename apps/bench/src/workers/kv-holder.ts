@@ -10,6 +10,8 @@ import net from 'node:net';
 import { TcpTransport, TransferEngine, silentLogger } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
+import { LockServer, engineGrants } from '@tensorwire/lock-client/server';
+import { parseKvBlockId } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { holderTransports } from '../transports.js';
 
@@ -53,17 +55,83 @@ const raw = net.createServer({ noDelay: true }, (socket) => {
 });
 await new Promise<void>((r) => raw.listen(0, '127.0.0.1', r));
 
+// Leased fetches: the library's flow, one range grant per lease over its blocks (block ids
+// name their offset and length in the region: see kvBlockId).
+const grants = engineGrants({
+  engine,
+  blocks: (id) => {
+    const b = parseKvBlockId(id);
+    return b && b.length > 0 && b.offset + b.length <= regionBytes ? { registration: reg, offset: b.offset, length: b.length } : undefined;
+  },
+});
+const lock = new LockServer({ holderId: 'kv-holder', lockTimeoutMs: 30_000, maxBlocksPerSession: 8192, ...grants.lockServerOptions, logger: silentLogger });
+const lockPort = await lock.listen('127.0.0.1:0');
+
+/** µs per engine.grant (and per revoke) over `n` scattered ranges of the region; median of runs. */
+async function grantCost(n: number, size: number): Promise<{ grantUs: number; revokeUs: number }> {
+  const slots = Math.floor(regionBytes / size);
+  const ranges = new Float64Array(n * 3);
+  const order = Array.from({ length: n }, (_, k) => ((k * 7919) % slots) * size);
+  // Keep ranges in offset order per lease: the engine's overlap check is O(n) then, as for a real block table.
+  order.sort((x, y) => x - y);
+  for (let k = 0; k < n; k++) ranges.set([0, order[k] as number, size], k * 3);
+  const runs = Math.max(5, Math.min(2000, Math.floor(200_000 / n)));
+  const g: number[] = [];
+  const r: number[] = [];
+  for (let i = 0; i < runs; i++) {
+    const t0 = process.hrtime.bigint();
+    const grant = await engine.grant({ registrations: [reg], ranges });
+    const t1 = process.hrtime.bigint();
+    await grant.revoke();
+    const t2 = process.hrtime.bigint();
+    g.push(Number(t1 - t0) / 1e3);
+    r.push(Number(t2 - t1) / 1e3);
+  }
+  const med = (x: number[]): number => x.sort((a, b) => a - b)[Math.floor(x.length / 2)] as number;
+  return { grantUs: med(g), revokeUs: med(r) };
+}
+
+/** The way before range grants: one engine registration per block per lease (µs each), and its revoke. */
+async function registerCost(n: number, size: number): Promise<{ grantUs: number; revokeUs: number }> {
+  const slots = Math.floor(regionBytes / size);
+  const t0 = process.hrtime.bigint();
+  const regs = [];
+  for (let k = 0; k < n; k++) {
+    const off = ((k * 7919) % slots) * size;
+    regs.push(await engine.register({ kind: 'host', buffer: region.subarray(off, off + size) }));
+  }
+  const t1 = process.hrtime.bigint();
+  for (const x of regs) await x.revoke();
+  const t2 = process.hrtime.bigint();
+  return { grantUs: Number(t1 - t0) / 1e3 / n, revokeUs: Number(t2 - t1) / 1e3 / n };
+}
+
 ipc.send({
   type: 'ready',
   endpoint: Buffer.from(engine.endpoint()).toString('base64'),
   descriptor: Buffer.from(reg.descriptor).toString('base64'),
   rawPort: (raw.address() as net.AddressInfo).port,
+  lockAddress: `127.0.0.1:${lockPort}`,
   transports: reg.transports,
   notes: [...built.notes, ...[...reg.skipped].map(([t, why]) => `holder region not registered with ${t}: ${why}`)],
 });
 ipc.onMessage((m) => {
   if (m['type'] === 'stop') {
     raw.close();
-    void engine.close().then(() => process.exit(0));
+    void lock
+      .close({ graceMs: 0 })
+      .then(() => grants.settled())
+      .then(() => engine.close())
+      .then(() => process.exit(0));
+  }
+  if (m['type'] === 'grant-cost') {
+    const size = Number(m['blockBytes']);
+    const run = async (): Promise<void> => {
+      const rows: { ranges: number; grantUs: number; revokeUs: number }[] = [];
+      for (const n of m['ranges'] as number[]) rows.push({ ranges: n, ...(await grantCost(n, size)) });
+      const perBlock = await registerCost(Number(m['registerBlocks']), size);
+      ipc.send({ type: 'grant-cost', rows, perBlock, counters: grants.counters(), lock: lock.counters() });
+    };
+    run().catch((e: unknown) => ipc.send({ type: 'grant-cost', error: e instanceof Error ? e.message : String(e) }));
   }
 });

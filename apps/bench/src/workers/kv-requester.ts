@@ -18,7 +18,8 @@
 import net from 'node:net';
 import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type Registration, type TransferRequest } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
-import { bytesOf, rng, scatter, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
+import { LockClient } from '@tensorwire/lock-client';
+import { bytesOf, kvBlockId, rng, scatter, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { nowMs } from '../stats.js';
 import { requesterTransports, type TransportChoice } from '../transports.js';
@@ -33,6 +34,7 @@ interface Config {
   seed: number;
   maxRequestBytes: number;
   transport: TransportChoice;
+  lockAddress: string;
 }
 
 const SAMPLES = 4;
@@ -52,6 +54,7 @@ interface Lane {
   readonly transport: string;
 }
 const lanes = new Map<KvLane, Lane>();
+const client = new LockClient({ requesterId: 'kv-requester', logger: silentLogger });
 const notes: string[] = [];
 
 async function lane(name: KvLane, nodeId: string, transports: TransferEngine['transports']): Promise<void> {
@@ -166,6 +169,21 @@ async function timed(offsets: Float64Array, s: number, fetches: number, random: 
   return { ms, fetches, bytes: fetches * count * s, descriptors: fetches * count, latencies, failures, ...(transport !== undefined ? { transport } : {}) };
 }
 
+/** Leased: the library's fetch flow per fetch: acquire + one range grant + one batched read + release. */
+async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
+  const ids: string[] = [];
+  const destinations: { local: Registration; offset: number; length: number }[] = [];
+  for (let i = 0; i < offsets.length; i++) {
+    ids.push(kvBlockId(offsets[i] as number, s));
+    destinations.push({ local: l.reg, offset: i * s, length: s });
+  }
+  return timed(offsets, s, fetches, random, async () => {
+    const f = await client.fetch(l.engine, cfg.lockAddress, ids, destinations, { timeoutMs: 10_000 });
+    await f.release();
+    return { transport: f.transport };
+  });
+}
+
 async function runEngine(l: Lane, prepared: boolean, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
   const requests: TransferRequest[] = [];
   for (let i = 0; i < offsets.length; i++) requests.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
@@ -205,7 +223,7 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
     } else {
       const l = lanes.get(method.startsWith('tcp') ? 'tcp' : 'same-host');
       if (!l) throw new Error(`no ${method} lane in this run`);
-      r = await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+      r = method.endsWith('leased') ? await runLeased(l, offsets, s, fetches, random) : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
     }
     out.push({ method, ...r });
   }
@@ -216,6 +234,7 @@ ipc.onMessage((m) => {
   const run = async (): Promise<void> => {
     if (m['type'] === 'stop') {
       rawSocket?.destroy();
+      await client.close();
       await Promise.allSettled([...lanes.values()].map((l) => l.engine.close()));
       process.exit(0);
     }

@@ -3,7 +3,9 @@
  * table (usable on its own), the expiry GC and metrics.
  */
 export { LockServer, startLockServer } from './server.js';
-export type { BlockDescriptors, BlockResolver, CloseOptions, LockServerCounters, LockServerOptions, RpcName } from './server.js';
+export { engineGrants } from './grants.js';
+export type { EngineGrantCounters, EngineGrants, EngineGrantsOptions } from './grants.js';
+export type { BlockDescriptors, BlockResolver, ResolvedLease, CloseOptions, LockServerCounters, LockServerOptions, RpcName } from './server.js';
 export { LeaseTable, systemClock } from './lease-table.js';
 export type { AcquireParams, Clock, LeaseCounters, LeaseEndReason, LeaseInfo, LeaseTableOptions, SweepStats } from './lease-table.js';
 export { ExpiryScheduler, systemTimers } from './expiry.js';

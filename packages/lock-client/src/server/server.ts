@@ -30,7 +30,13 @@ export type BlockDescriptors = Uint8Array | readonly Uint8Array[];
  * descriptors should be scoped to the lease (for example carry a token the transport
  * checks) and revoked in `revoke`. May be async; the blocks are pinned before it runs.
  */
-export type BlockResolver = (blockIds: readonly string[], lease: LeaseInfo) => readonly BlockDescriptors[] | Promise<readonly BlockDescriptors[]>;
+export type BlockResolver = (blockIds: readonly string[], lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>;
+
+/**
+ * What a resolver returns: one entry per block (request order), or descriptors for the whole
+ * lease (`lease`, e.g. one range grant over every block) with optional per-block ones.
+ */
+export type ResolvedLease = readonly BlockDescriptors[] | { readonly lease: readonly Uint8Array[]; readonly blocks?: readonly BlockDescriptors[] };
 
 export interface LockServerOptions extends Omit<LeaseTableOptions, 'onEnd' | 'onReject' | 'logger'> {
   /** Block ids → descriptors. Default: no descriptors. */
@@ -223,16 +229,16 @@ export class LockServer implements AsyncDisposable {
       this.#grant(call, cb, lease, undefined);
       return;
     }
-    let result: readonly BlockDescriptors[] | Promise<readonly BlockDescriptors[]>;
+    let result: ResolvedLease | Promise<ResolvedLease>;
     try {
       result = resolve(lease.blockIds, lease);
     } catch (e) {
       this.#resolveFailed(cb, lease, e);
       return;
     }
-    if (Array.isArray(result)) this.#grant(call, cb, lease, result as readonly BlockDescriptors[]);
+    if (!(result instanceof Promise)) this.#grant(call, cb, lease, result);
     else
-      (result as Promise<readonly BlockDescriptors[]>).then(
+      result.then(
         (descriptors) => this.#grant(call, cb, lease, descriptors),
         (e: unknown) => this.#resolveFailed(cb, lease, e),
       );
@@ -249,7 +255,7 @@ export class LockServer implements AsyncDisposable {
     call: grpc.ServerUnaryCall<AcquireRequestMsg, AcquireResponseMsg>,
     cb: grpc.sendUnaryData<AcquireResponseMsg>,
     lease: LeaseInfo,
-    descriptors: readonly BlockDescriptors[] | undefined,
+    resolved: ResolvedLease | undefined,
   ): void {
     if (this.table.get(lease.sessionId) !== lease) {
       // Released by acquire id (the requester gave up) or expired while resolving.
@@ -264,6 +270,17 @@ export class LockServer implements AsyncDisposable {
       return;
     }
     const blocks: AcquireResponseMsg['blocks'] = [];
+    let leaseDescriptors: Uint8Array[] = [];
+    let descriptors: readonly BlockDescriptors[] | undefined;
+    if (resolved !== undefined && !Array.isArray(resolved)) {
+      const r = resolved as { lease?: unknown; blocks?: readonly BlockDescriptors[] };
+      if (!Array.isArray(r.lease) || !r.lease.every((d) => d instanceof Uint8Array)) {
+        this.#resolveFailed(cb, lease, new Error('resolver returned lease descriptors that are not a list of bytes'));
+        return;
+      }
+      leaseDescriptors = r.lease as Uint8Array[];
+      descriptors = r.blocks;
+    } else descriptors = resolved as readonly BlockDescriptors[] | undefined;
     if (descriptors !== undefined && (!Array.isArray(descriptors) || descriptors.length !== lease.blockIds.length)) {
       this.#resolveFailed(cb, lease, new Error(`resolver returned ${Array.isArray(descriptors) ? descriptors.length : typeof descriptors} entries for ${lease.blockIds.length} blocks`));
       return;
@@ -280,6 +297,7 @@ export class LockServer implements AsyncDisposable {
       lockTimeoutMs: this.table.lockTimeoutMs,
       blocks,
       holderId: this.holderId,
+      leaseDescriptors,
     });
   }
 

@@ -1,0 +1,112 @@
+/**
+ * The remote fetch flow as one call: lease, read through the engine, verify, release.
+ *
+ * `await using fetch = await client.fetch(engine, holder, blockIds, destinations, options)`
+ * acquires a lease on the holder's blocks, reads every block (one batch, through the
+ * transport the engine chooses for the holder) into its destination, checks that every
+ * granted range has the length the caller expects, and returns a guard. The lease is
+ * released exactly once: when the guard is disposed or released, or at once when anything
+ * fails (the error is then rethrown). The holder must serve leases with `engineGrants`
+ * (`@tensorwire/lock-client/server`).
+ */
+import {
+  InvalidInputError,
+  Registration,
+  RemoteRejectedError,
+  decodeDescriptor,
+  type MemoryDescriptor,
+  type TransferEngine,
+  type TransferReport,
+  type TransferRequest,
+} from '@tensorwire/core';
+import type { AcquireOptions, LockGuard, ReleaseResult } from './client.js';
+import { decodeFetchDescriptor } from './fetch-descriptor.js';
+
+/** Where one block lands: a registration of the requester's engine, at `offset`. */
+export interface FetchDestination {
+  readonly local: Registration;
+  /** Default 0. */
+  readonly offset?: number;
+  /** The block's expected length; the fetch fails if the holder's range differs. Default: whatever the holder granted. */
+  readonly length?: number;
+}
+
+export interface FetchOptions extends AcquireOptions {
+  /** Absolute deadline (Date.now() ms) for acquire + read; the lease's transfer deadline also bounds the read. */
+  readonly deadline?: number;
+}
+
+/** A finished fetch: the bytes are in place; the lease is held until this is disposed. */
+export class FetchGuard implements AsyncDisposable {
+  /** The lease the blocks were read under. */
+  readonly lease: LockGuard;
+  /** What the engine reported: transport, bytes, requests, ranges. */
+  readonly report: TransferReport;
+  /** @internal */
+  constructor(lease: LockGuard, report: TransferReport) {
+    this.lease = lease;
+    this.report = report;
+  }
+  get transport(): string {
+    return this.report.transport;
+  }
+  /** Release the lease (idempotent, never rejects). */
+  release(): Promise<ReleaseResult> {
+    return this.lease.release();
+  }
+  async [Symbol.asyncDispose](): Promise<void> {
+    await this.lease.release();
+  }
+}
+
+/** @internal The body of {@link LockClient.fetch}, given its acquire. */
+export async function fetchBlocks(
+  acquire: (holder: string, blockIds: readonly string[], options: AcquireOptions) => Promise<LockGuard>,
+  engine: TransferEngine,
+  holder: string,
+  blockIds: readonly string[],
+  destinations: readonly FetchDestination[],
+  options: FetchOptions,
+): Promise<FetchGuard> {
+  if (!Array.isArray(destinations) || destinations.length !== blockIds.length) {
+    throw new InvalidInputError(`fetch needs one destination per block (${blockIds.length} blocks, ${Array.isArray(destinations) ? destinations.length : 0} destinations)`, {
+      details: { field: 'destinations' },
+    });
+  }
+  for (const [i, d] of destinations.entries()) {
+    if (!(d?.local instanceof Registration)) throw new InvalidInputError(`destinations[${i}].local must be a Registration of the engine`, { details: { field: 'destinations', request: i } });
+  }
+  const { deadline, ...acquireOptions } = options;
+  const timeoutMs = deadline === undefined ? options.timeoutMs : Math.max(1, Math.min(options.timeoutMs ?? Number.POSITIVE_INFINITY, deadline - Date.now()));
+  const lease = await acquire(holder, blockIds, timeoutMs === undefined ? acquireOptions : { ...acquireOptions, timeoutMs });
+  try {
+    const leaseDescriptors = lease.leaseDescriptors;
+    if (leaseDescriptors.length !== 1) {
+      throw new RemoteRejectedError(`holder ${lease.holderId} granted ${leaseDescriptors.length} lease descriptors, expected one range grant (serve leases with engineGrants)`, {
+        details: { remoteCode: 'no-grant' },
+      });
+    }
+    const { endpoint, grant } = decodeFetchDescriptor(leaseDescriptors[0] as Uint8Array);
+    const d: MemoryDescriptor = decodeDescriptor(grant);
+    const lengths = d.rangeLengths ?? Float64Array.of(d.byteLength);
+    if (lengths.length !== blockIds.length) {
+      throw new RemoteRejectedError(`holder ${lease.holderId} granted ${lengths.length} ranges for ${blockIds.length} blocks`, { details: { remoteCode: 'grant-shape' } });
+    }
+    const requests: TransferRequest[] = new Array<TransferRequest>(blockIds.length);
+    for (let i = 0; i < blockIds.length; i++) {
+      const dest = destinations[i] as FetchDestination;
+      const granted = lengths[i] as number;
+      if (dest.length !== undefined && dest.length !== granted) {
+        throw new InvalidInputError(`block ${blockIds[i]} is ${granted} bytes on the holder, the destination expects ${dest.length}`, { details: { field: 'destinations', request: i } });
+      }
+      requests[i] = { local: dest.local, localOffset: dest.offset ?? 0, remote: d, range: i, length: granted };
+    }
+    const until = deadline === undefined ? lease.transferDeadline : Math.min(deadline, lease.transferDeadline);
+    const signal = options.signal ? AbortSignal.any([options.signal, lease.signal]) : lease.signal;
+    const report = await engine.read(endpoint, requests, { deadline: until, signal });
+    return new FetchGuard(lease, report);
+  } catch (e) {
+    await lease.release();
+    throw e;
+  }
+}

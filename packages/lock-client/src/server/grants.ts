@@ -1,0 +1,144 @@
+/**
+ * Lease-scoped range grants on a holder: register memory once, grant per lease.
+ *
+ * `engineGrants({ engine, blocks })` gives the lock service a `pin`, a `resolve` and a
+ * `revoke`: each lease gets ONE range grant from the engine over the ranges of its blocks
+ * (block i of the lease is range i), sent to the requester as one lease descriptor; when the
+ * lease ends (released, expired by the GC, abandoned, shutdown) the grant is revoked, exactly
+ * once. Counters: `issued = revoked + live`, always.
+ *
+ * ```ts
+ * const grants = engineGrants({ engine, blocks: new Map([['block:kv:0', { registration, offset: 0, length: 4096 }]]) });
+ * const server = await startLockServer({ holderId: 'h', ...grants.lockServerOptions });
+ * ```
+ */
+import { GRANT_STRIDE, type Grant, type GrantRange, type Logger, type Registration, type TransferEngine, silentLogger } from '@tensorwire/core';
+import { LeaseError } from '../errors.js';
+import { encodeFetchDescriptor } from '../fetch-descriptor.js';
+import type { LeaseEndReason, LeaseInfo } from './lease-table.js';
+import type { ResolvedLease } from './server.js';
+
+export interface EngineGrantsOptions {
+  /** The holder's engine (started or not); its transports serve the grants. */
+  readonly engine: TransferEngine;
+  /** Where each block lives: a range of a registration of `engine`. */
+  readonly blocks: ReadonlyMap<string, GrantRange> | ((blockId: string) => GrantRange | undefined);
+  /** Transports that must grant (default: every one that can). */
+  readonly transports?: readonly string[];
+  readonly logger?: Logger;
+}
+
+export interface EngineGrantCounters {
+  /** Grants made (one per lease that was resolved). */
+  readonly issued: number;
+  /** Grants revoked (each exactly once). */
+  readonly revoked: number;
+  /** Grants live now: issued - revoked. */
+  readonly live: number;
+  /** Leases whose grant could not be made (the acquire failed). */
+  readonly failed: number;
+}
+
+export interface EngineGrants {
+  /** Refuses blocks this holder does not have (NOT_FOUND), before anything is pinned. */
+  pin(blockId: string): void;
+  /** One range grant over the lease's blocks, as one lease descriptor. */
+  resolve(blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease>;
+  /** The lease ended: revoke its grant (once; a grant still being made is revoked when made). */
+  revoke(lease: LeaseInfo, reason: LeaseEndReason): void;
+  /** `{ pin, resolve, revoke }`, to spread into `startLockServer` options. */
+  readonly lockServerOptions: {
+    readonly pin: (blockId: string) => void;
+    readonly resolve: (blockIds: readonly string[], lease: LeaseInfo) => Promise<ResolvedLease>;
+    readonly revoke: (lease: LeaseInfo, reason: LeaseEndReason) => void;
+  };
+  counters(): EngineGrantCounters;
+  /** Resolves once every revocation started so far has finished. */
+  settled(): Promise<void>;
+}
+
+/** A lease whose grant is being made, made, or whose lease ended while it was being made. */
+type Slot = { state: 'pending' } | { state: 'ended' } | { state: 'live'; grant: Grant };
+
+export function engineGrants(options: EngineGrantsOptions): EngineGrants {
+  const { engine } = options;
+  const logger = options.logger ?? silentLogger;
+  const lookup = typeof options.blocks === 'function' ? options.blocks : (id: string) => (options.blocks as ReadonlyMap<string, GrantRange>).get(id);
+  const slots = new Map<string, Slot>();
+  const revoking = new Set<Promise<void>>();
+  let issued = 0;
+  let revoked = 0;
+  let failed = 0;
+
+  const revokeGrant = (sessionId: string, grant: Grant): void => {
+    revoked++;
+    const p = grant.revoke().catch((e: unknown) => logger.warn('lock: revoking a lease grant failed', { sessionId, error: e instanceof Error ? e.message : String(e) }));
+    revoking.add(p);
+    void p.finally(() => revoking.delete(p));
+  };
+
+  const pin = (blockId: string): void => {
+    if (lookup(blockId) === undefined) throw new LeaseError('NOT_FOUND', `no block ${blockId} on this holder`);
+  };
+
+  const resolve = async (blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease> => {
+    const sessionId = lease.sessionId;
+    slots.set(sessionId, { state: 'pending' });
+    let grant: Grant;
+    try {
+      // One typed array for the whole lease: no object per block past the lookup.
+      const registrations: Registration[] = [];
+      const index = new Map<Registration, number>();
+      const ranges = new Float64Array(blockIds.length * GRANT_STRIDE);
+      for (let i = 0; i < blockIds.length; i++) {
+        const id = blockIds[i] as string;
+        const r = lookup(id);
+        if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
+        let k = index.get(r.registration);
+        if (k === undefined) index.set(r.registration, (k = registrations.push(r.registration) - 1));
+        const offset = r.offset ?? 0;
+        const at = i * GRANT_STRIDE;
+        ranges[at] = k;
+        ranges[at + 1] = offset;
+        ranges[at + 2] = r.length ?? r.registration.byteLength - offset;
+      }
+      grant = await engine.grant({ registrations, ranges }, options.transports ? { transports: options.transports } : {});
+    } catch (e) {
+      failed++;
+      slots.delete(sessionId);
+      throw e;
+    }
+    issued++;
+    const slot = slots.get(sessionId);
+    if (slot?.state !== 'pending') {
+      // The lease ended while the grant was being made: it must not outlive it.
+      slots.delete(sessionId);
+      revokeGrant(sessionId, grant);
+      throw new LeaseError('ABORTED', `lease ${sessionId} ended before its grant was made`);
+    }
+    slots.set(sessionId, { state: 'live', grant });
+    return { lease: [encodeFetchDescriptor(engine.endpoint(), grant.descriptor)] };
+  };
+
+  const revoke = (lease: LeaseInfo): void => {
+    const slot = slots.get(lease.sessionId);
+    if (slot === undefined || slot.state === 'ended') return;
+    if (slot.state === 'pending') {
+      slots.set(lease.sessionId, { state: 'ended' });
+      return;
+    }
+    slots.delete(lease.sessionId);
+    revokeGrant(lease.sessionId, slot.grant);
+  };
+
+  return {
+    pin,
+    resolve,
+    revoke,
+    lockServerOptions: { pin, resolve, revoke },
+    counters: () => ({ issued, revoked, live: issued - revoked, failed }),
+    settled: async () => {
+      while (revoking.size > 0) await Promise.allSettled([...revoking]);
+    },
+  };
+}

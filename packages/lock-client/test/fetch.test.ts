@@ -1,0 +1,212 @@
+/**
+ * The fetch flow as a library: engineGrants (holder) and LockClient.fetch (requester), over
+ * real TCP engines and a real lock service on loopback.
+ */
+import { fork, type ChildProcess } from 'node:child_process';
+import { once } from 'node:events';
+import { fileURLToPath } from 'node:url';
+import { afterEach, describe, expect, it } from 'vitest';
+import { InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
+import { LockClient, decodeFetchDescriptor } from '../src/index.js';
+import { LockServer, engineGrants, type EngineGrants } from '../src/server/index.js';
+import { waitFor } from './helpers.js';
+
+const BLOCK = 4096;
+
+interface Holder {
+  engine: TransferEngine;
+  server: LockServer;
+  grants: EngineGrants;
+  address: string;
+  region: Uint8Array;
+  close(): Promise<void>;
+}
+
+async function holder(blocks: number, lockTimeoutMs = 30_000): Promise<Holder> {
+  const engine = new TransferEngine({ nodeId: 'holder', transports: [new TcpTransport()], logger: silentLogger });
+  const region = new Uint8Array(blocks * BLOCK).map((_, i) => (i * 131 + (i >> 12)) & 255);
+  const registration = await engine.register({ kind: 'host', buffer: region });
+  // Block i lives at slot (i * 7) % blocks of the region: not in order, as a KV arena is.
+  const map = new Map(Array.from({ length: blocks }, (_, i) => [`block:kv:${i}`, { registration, offset: ((i * 7) % blocks) * BLOCK, length: BLOCK }] as const));
+  const grants = engineGrants({ engine, blocks: map });
+  const server = new LockServer({ holderId: 'holder', lockTimeoutMs, minLeaseMs: Math.min(lockTimeoutMs, 1000), ...grants.lockServerOptions, logger: silentLogger });
+  const port = await server.listen('127.0.0.1:0');
+  return {
+    engine,
+    server,
+    grants,
+    address: `127.0.0.1:${port}`,
+    region,
+    async close() {
+      await server.close({ graceMs: 0 });
+      await grants.settled();
+      await engine.close();
+    },
+  };
+}
+
+function slotOf(region: Uint8Array, i: number, blocks: number): Uint8Array {
+  const s = ((i * 7) % blocks) * BLOCK;
+  return region.subarray(s, s + BLOCK);
+}
+
+async function requester(name = 'req'): Promise<{ engine: TransferEngine; client: LockClient; local: Registration; dst: Uint8Array; close(): Promise<void> }> {
+  const engine = new TransferEngine({ nodeId: name, transports: [new TcpTransport()], logger: silentLogger });
+  const client = new LockClient({ requesterId: name, logger: silentLogger });
+  const dst = new Uint8Array(1000 * BLOCK);
+  const local = await engine.register({ kind: 'host', buffer: dst });
+  return {
+    engine,
+    client,
+    local,
+    dst,
+    async close() {
+      await client.close();
+      await engine.close();
+    },
+  };
+}
+
+const ids = (n: number): string[] => Array.from({ length: n }, (_, i) => `block:kv:${i}`);
+
+function balanced(h: Holder): void {
+  const c = h.server.counters();
+  expect(c.acquired).toBe(c.released + c.expired + c.active);
+  const g = h.grants.counters();
+  expect(g.issued).toBe(g.revoked + g.live);
+}
+
+describe('fetch: lease + grant + read + release as one call', () => {
+  it('1,000 blocks: one range grant per lease, bytes verified, grant revoked exactly once on dispose', async () => {
+    const h = await holder(1000);
+    const r = await requester();
+    const destinations = ids(1000).map((_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    for (let round = 0; round < 3; round++) {
+      r.dst.fill(0);
+      {
+        const fetch = await r.client.fetch(r.engine, h.address, ids(1000), destinations, { timeoutMs: 10_000 });
+        expect(fetch.transport).toBe('tcp');
+        expect(fetch.report.bytes).toBe(1000 * BLOCK);
+        expect(fetch.lease.leaseDescriptors).toHaveLength(1);
+        expect(h.grants.counters().live).toBe(1);
+        // One grant descriptor for the lease, whatever the number of blocks.
+        expect(decodeFetchDescriptor(fetch.lease.leaseDescriptors[0] as Uint8Array).grant.length).toBeLessThan(120);
+        await fetch[Symbol.asyncDispose]();
+        await fetch.release(); // exactly once: a second release sends nothing more
+      }
+      for (let i = 0; i < 1000; i++) expect(Buffer.compare(r.dst.subarray(i * BLOCK, (i + 1) * BLOCK), slotOf(h.region, i, 1000))).toBe(0);
+    }
+    await waitFor(() => h.server.counters().active === 0, 'leases released');
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 3, revoked: 3, live: 0 });
+    expect(h.server.counters()).toMatchObject({ acquired: 3, released: 3, active: 0 });
+    expect(h.engine.liveGrants).toBe(0);
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it('a grant is usable only under its live lease: after release, another requester holding its descriptor is refused', async () => {
+    const h = await holder(16);
+    const r = await requester('r1');
+    const thief = await requester('r2');
+    const fetch = await r.client.fetch(r.engine, h.address, ids(4), ids(4).map((_, i) => ({ local: r.local, offset: i * BLOCK })), { timeoutMs: 10_000 });
+    const { endpoint, grant } = decodeFetchDescriptor(fetch.lease.leaseDescriptors[0] as Uint8Array);
+    // While the lease is live, its descriptor reads exactly its ranges and no byte outside them.
+    await thief.engine.read(endpoint, [{ local: thief.local, remote: grant, range: 2, length: BLOCK }]);
+    await expect(thief.engine.read(endpoint, [{ local: thief.local, remote: grant, range: 2, remoteOffset: 1, length: BLOCK }])).rejects.toBeInstanceOf(InvalidInputError);
+    await fetch.release();
+    await waitFor(() => h.grants.counters().live === 0, 'grant revoked');
+    await h.grants.settled();
+    await expect(thief.engine.read(endpoint, [{ local: thief.local, remote: grant, range: 2, length: BLOCK }])).rejects.toBeInstanceOf(RemoteRejectedError);
+    balanced(h);
+    await thief.close();
+    await r.close();
+    await h.close();
+  });
+
+  it('a length the caller does not expect fails the fetch and releases the lease; unknown blocks are NOT_FOUND before anything is granted', async () => {
+    const h = await holder(8);
+    const r = await requester();
+    const err = await r.client
+      .fetch(r.engine, h.address, ids(2), [{ local: r.local, length: BLOCK }, { local: r.local, offset: BLOCK, length: BLOCK + 1 }], { timeoutMs: 10_000 })
+      .catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(InvalidInputError);
+    // Released before the error reached us (not later by the client's finalizer backstop).
+    expect(h.server.counters()).toMatchObject({ acquired: 1, released: 1, active: 0 });
+    expect(r.client.counters()).toMatchObject({ released: 1, dropped: 0, active: 0 });
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 1, revoked: 1, live: 0 });
+    await expect(r.client.fetch(r.engine, h.address, ['block:kv:99'], [{ local: r.local }], { timeoutMs: 10_000 })).rejects.toMatchObject({ remoteCode: 'NOT_FOUND' });
+    await expect(r.client.fetch(r.engine, h.address, ids(2), [{ local: r.local }], { timeoutMs: 10_000 })).rejects.toBeInstanceOf(InvalidInputError);
+    expect(h.grants.counters().issued).toBe(1);
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it('the lease expires (GC): its grant is revoked and a late read is refused', async () => {
+    const h = await holder(8, 400);
+    const r = await requester();
+    const fetch = await r.client.fetch(r.engine, h.address, ids(3), ids(3).map((_, i) => ({ local: r.local, offset: i * BLOCK })), { timeoutMs: 10_000, leaseMs: 400 });
+    const { endpoint, grant } = decodeFetchDescriptor(fetch.lease.leaseDescriptors[0] as Uint8Array);
+    await waitFor(() => h.server.counters().expired === 1, 'lease expired');
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 1, revoked: 1, live: 0 });
+    await expect(r.engine.read(endpoint, [{ local: r.local, remote: grant, range: 0, length: BLOCK }])).rejects.toBeInstanceOf(RemoteRejectedError);
+    await fetch.release();
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it('a lease that ends while its grant is being made never leaves the grant live', async () => {
+    const engine = new TransferEngine({ nodeId: 'h2', transports: [new TcpTransport()], logger: silentLogger });
+    const registration = await engine.register({ kind: 'host', buffer: new Uint8Array(BLOCK) });
+    const grants = engineGrants({ engine, blocks: () => ({ registration, offset: 0, length: BLOCK }) });
+    const lease = { sessionId: 'session:h2:abc', requesterId: 'r', blockIds: ['block:kv:0'] } as unknown as Parameters<EngineGrants['resolve']>[1];
+    const pending = grants.resolve(['block:kv:0'], lease);
+    grants.revoke(lease, 'released');
+    await expect(pending).rejects.toMatchObject({ status: 'ABORTED' });
+    await grants.settled();
+    expect(grants.counters()).toMatchObject({ issued: 1, revoked: 1, live: 0 });
+    expect(engine.liveGrants).toBe(0);
+    await engine.close();
+  });
+});
+
+describe('fetch across processes', () => {
+  const children = new Set<ChildProcess>();
+  afterEach(() => {
+    for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
+    children.clear();
+  });
+
+  it('requesters SIGKILLed mid-fetch: the GC expires their leases and revokes each grant exactly once; counters balance', async () => {
+    const h = await holder(256, 600);
+    const kids = [0, 1, 2].map(() => {
+      const child = fork(fileURLToPath(new URL('./fixtures/fetcher.mjs', import.meta.url)), [h.address, '256', String(BLOCK)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'], execArgv: [] });
+      children.add(child);
+      return child;
+    });
+    await Promise.all(kids.map((c) => once(c, 'message')));
+    expect(h.server.counters().active).toBe(3);
+    for (const c of kids) {
+      const exited = once(c, 'exit');
+      c.kill('SIGKILL');
+      await exited;
+    }
+    await waitFor(() => h.server.counters().active === 0, 'every lease released or expired');
+    await h.grants.settled();
+    const g = h.grants.counters();
+    const c = h.server.counters();
+    expect(g.live).toBe(0);
+    expect(g.issued).toBe(g.revoked);
+    expect(g.issued).toBe(18);
+    expect(c.acquired).toBe(18);
+    expect(c.released).toBe(15);
+    expect(c.expired).toBe(3);
+    expect(h.engine.liveGrants).toBe(0);
+    await h.close();
+  });
+});
