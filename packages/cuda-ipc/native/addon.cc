@@ -234,6 +234,12 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("grantLeave", &Addon::GrantLeaveJs),
         InstanceMethod("grantActive", &Addon::GrantActiveJs),
         InstanceMethod("grantRevoke", &Addon::GrantRevokeJs),
+        InstanceMethod("recordEnter", &Addon::RecordEnterJs),
+        InstanceMethod("recordLeave", &Addon::RecordLeaveJs),
+        InstanceMethod("recordActive", &Addon::RecordActiveJs),
+        InstanceMethod("recordPublish", &Addon::RecordPublishJs),
+        InstanceMethod("recordRevoke", &Addon::RecordRevokeJs),
+        InstanceMethod("recordFree", &Addon::RecordFreeJs),
         InstanceMethod("cudaProbe", &Addon::CudaProbe),
         InstanceMethod("cudaAlloc", &Addon::CudaAlloc),
         InstanceMethod("cudaExport", &Addon::CudaExport),
@@ -271,8 +277,23 @@ class Addon : public Napi::Addon<Addon> {
     TW_OFF(generation); TW_OFF(state); TW_OFF(importers); TW_OFF(active); TW_OFF(byte_length); TW_OFF(dtype);
     TW_OFF(ndim); TW_OFF(shape); TW_OFF(id_length); TW_OFF(id); TW_OFF(ext); TW_OFF(grant_token);
     TW_OFF(grant_target); TW_OFF(grant_offset); TW_OFF(grant_length); TW_OFF(grant_name_len); TW_OFF(grant_name);
+    TW_OFF(table_records); TW_OFF(table_dir); TW_OFF(table_arena);
 #undef TW_OFF
     o.Set("offsets", offsets);
+    Napi::Object table = Napi::Object::New(env);
+    table.Set("recordBytes", Napi::Number::New(env, static_cast<double>(kRecordBytes)));
+    table.Set("dirEntryBytes", Napi::Number::New(env, static_cast<double>(kDirEntryBytes)));
+    table.Set("rangeEntryBytes", Napi::Number::New(env, static_cast<double>(kRangeEntryBytes)));
+    table.Set("recordState", Napi::Number::New(env, static_cast<double>(rec::state)));
+    table.Set("recordActive", Napi::Number::New(env, static_cast<double>(rec::active)));
+    table.Set("recordGeneration", Napi::Number::New(env, static_cast<double>(rec::generation)));
+    table.Set("recordToken", Napi::Number::New(env, static_cast<double>(rec::token)));
+    table.Set("recordArenaOffset", Napi::Number::New(env, static_cast<double>(rec::arena_offset)));
+    table.Set("recordCount", Napi::Number::New(env, static_cast<double>(rec::count)));
+    table.Set("maxRecords", Napi::Number::New(env, static_cast<double>(kMaxTableRecords)));
+    table.Set("maxDir", Napi::Number::New(env, static_cast<double>(kMaxTableDir)));
+    table.Set("maxArena", Napi::Number::New(env, static_cast<double>(kMaxTableArena)));
+    o.Set("table", table);
     return o;
   }
 
@@ -295,7 +316,7 @@ class Addon : public Napi::Addon<Addon> {
     };
     InitParams p;
     p.kind = static_cast<uint32_t>(num("kind", kKindPool));
-    if (p.kind < kKindPool || p.kind > kKindNode) ThrowInvalid(env, "init.kind is unknown");
+    if (p.kind < kKindPool || p.kind > kKindTable) ThrowInvalid(env, "init.kind is unknown");
     p.data_offset = static_cast<uint64_t>(num("dataOffset", 0));
     p.capacity = static_cast<uint64_t>(num("capacity", 0));
     p.owner_pid = static_cast<uint32_t>(num("ownerPid", 0));
@@ -452,28 +473,34 @@ class Addon : public Napi::Addon<Addon> {
     return Napi::BigInt::New(info.Env(), gen);
   }
 
-  // copyBatch(op, ranges, count, stride, locals, remotes, segments, segmentFlags, grants, tokens,
-  //           deadlineMs, maxAttempts, generations): one stream batch of host copies in one call.
+  // copyBatch(op, ranges, count, stride, locals, remotes, spans, segments, segmentFlags, grants,
+  //           grantInfo, tokens, deadlineMs, maxAttempts, generations): one stream batch of host
+  //           copies in one call.
   //   op            0 read (segment -> local), 1 write (local -> segment)
   //   ranges        Float64Array, `stride` numbers per range (core's RANGE_STRIDE), the first
   //                 seven in core's RangeField order: request, local, localOffset, remote,
-  //                 remoteOffset, length, remoteRange (which must be 0)
+  //                 remoteOffset, length, remoteRange
   //   count         ranges in the batch (ranges.length >= stride * count)
   //   locals        Uint8Array[]: the local buffers, by RangeField.Local
-  //   remotes       Float64Array, 4 numbers per remote (RangeField.Remote): segment index,
-  //                 grant index, base (offset of the granted bytes in the segment mapping),
-  //                 limit (bytes granted)
+  //   remotes       Float64Array, 3 numbers per remote (RangeField.Remote): grant index, first
+  //                 span, span count (a whole registration has one span, a range grant one per
+  //                 granted range; RangeField.RemoteRange picks one)
+  //   spans         Float64Array, 3 numbers per span: segment index, base (offset of the granted
+  //                 bytes in the segment mapping), limit (bytes granted)
   //   segments      ArrayBuffer[]: data segment mappings (shmOpen)
   //   segmentFlags  Uint8Array, one per segment: bit 0 = seqlocked pool slot
-  //   grants        ArrayBuffer[]: grant segment mappings; tokens: Uint8Array of 16 per grant
+  //   grants        ArrayBuffer[]: grant segment or grant table mappings
+  //   grantInfo     Float64Array, 2 numbers per grant: record (byte offset of a range-grant
+  //                 record in a grant table; 0: a grant segment), generation (of the record)
+  //   tokens        Uint8Array of 16 per grant
   //   deadlineMs    Date.now() milliseconds bounding waits and retries (0: none)
   //   maxAttempts   retries of one slot's ranges that overlapped a write (0: default)
   //   generations   BigUint64Array, one per segment: the generation each seqlocked segment was
   //                 copied at (0 for others)
-  // Nothing from JS is trusted: every table entry and range is validated against the real
-  // buffer and mapping lengths before any grant is entered or any byte moves. Throws an error
-  // with `code` (TW_INVALID_INPUT, TW_REMOTE_REJECTED with `remoteCode`, TW_TIMED_OUT) and,
-  // where it is about one, `range`, `grant` or `segment` (indices).
+  // Nothing from JS is trusted: every table entry and range (and the span it uses) is validated
+  // against the real buffer and mapping lengths before any grant is entered or any byte moves.
+  // Throws an error with `code` (TW_INVALID_INPUT, TW_REMOTE_REJECTED with `remoteCode`,
+  // TW_TIMED_OUT) and, where it is about one, `range`, `grant` or `segment` (indices).
   Napi::Value CopyBatchJs(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     auto typed = [&](size_t i, napi_typedarray_type type, const char* what) -> Napi::TypedArray {
@@ -505,13 +532,15 @@ class Addon : public Napi::Addon<Addon> {
     const size_t stride = static_cast<size_t>(stride_d);
     Napi::Array locals_js = array(4, "Uint8Array");
     Napi::Float64Array remotes_js = typed(5, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Array segments_js = array(6, "ArrayBuffer");
-    Napi::Uint8Array flags_js = typed(7, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
-    Napi::Array grants_js = array(8, "ArrayBuffer");
-    Napi::Uint8Array tokens_js = typed(9, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
-    double deadline = number(10, "deadlineMs");
-    double attempts = number(11, "maxAttempts");
-    Napi::TypedArray gens_js = typed(12, napi_biguint64_array, "BigUint64Array");
+    Napi::Float64Array spans_js = typed(6, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Array segments_js = array(7, "ArrayBuffer");
+    Napi::Uint8Array flags_js = typed(8, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    Napi::Array grants_js = array(9, "ArrayBuffer");
+    Napi::Float64Array ginfo_js = typed(10, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Uint8Array tokens_js = typed(11, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    double deadline = number(12, "deadlineMs");
+    double attempts = number(13, "maxAttempts");
+    Napi::TypedArray gens_js = typed(14, napi_biguint64_array, "BigUint64Array");
 
     BatchInput in;
     in.write = op == 1;
@@ -544,31 +573,38 @@ class Addon : public Napi::Addon<Addon> {
       if (flags > 1) ThrowInvalid(env, "copyBatch: segment flags must be 0 or 1");
       segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), flags == 1};
     }
+    auto safe = [](double d) { return d >= 0 && d <= 9007199254740991.0 && d == static_cast<double>(static_cast<uint64_t>(d)); };
     grants_.resize(grant_vals.size());
     if (tokens_js.ByteLength() != grants_.size() * kTokenBytes) ThrowInvalid(env, "copyBatch: tokens must hold 16 bytes per grant");
+    if (ginfo_js.ElementLength() != grants_.size() * 2) ThrowInvalid(env, "copyBatch: grantInfo must hold 2 numbers per grant");
+    const double* gi = ginfo_js.Data();
     for (size_t i = 0; i < grant_vals.size(); i++) {
       Napi::Value v = grant_vals[i];
       if (!v.IsArrayBuffer()) ThrowInvalid(env, "copyBatch: grants[" + std::to_string(i) + "] must be an ArrayBuffer");
       Napi::ArrayBuffer ab = v.As<Napi::ArrayBuffer>();
-      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), tokens_js.Data() + i * kTokenBytes};
+      double record = BatchLoadOnce(gi + 2 * i), generation = BatchLoadOnce(gi + 2 * i + 1);
+      if (!safe(record) || !safe(generation)) ThrowInvalid(env, "copyBatch: grantInfo of grant " + std::to_string(i) + " is not a non-negative safe integer");
+      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), tokens_js.Data() + i * kTokenBytes, static_cast<uint64_t>(record),
+                              static_cast<uint64_t>(generation)};
     }
     // The remote table and the ranges are copied out of the typed arrays before they are
-    // checked, so a buffer shared with another thread cannot change them after the check.
+    // checked, so a buffer shared with another thread cannot change them after the check;
+    // a span is read once, by the range that uses it (DecodeBatchRange).
     const size_t nrem_values = remotes_js.ElementLength();
-    if (nrem_values % 4 != 0) ThrowInvalid(env, "copyBatch: remotes must hold 4 numbers per remote");
-    remotes_.resize(nrem_values / 4);
+    if (nrem_values % 3 != 0) ThrowInvalid(env, "copyBatch: remotes must hold 3 numbers per remote");
+    remotes_.resize(nrem_values / 3);
     const double* rv = remotes_js.Data();
     for (size_t r = 0; r < remotes_.size(); r++) {
-      double seg = BatchLoadOnce(rv + 4 * r), grant = BatchLoadOnce(rv + 4 * r + 1), base = BatchLoadOnce(rv + 4 * r + 2),
-             limit = BatchLoadOnce(rv + 4 * r + 3);
-      for (double d : {seg, grant, base, limit}) {
-        if (!(d >= 0) || d > 9007199254740991.0 || d != static_cast<double>(static_cast<uint64_t>(d))) {
-          ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
-        }
+      double grant = BatchLoadOnce(rv + 3 * r), first = BatchLoadOnce(rv + 3 * r + 1), n = BatchLoadOnce(rv + 3 * r + 2);
+      for (double d : {grant, first, n}) {
+        if (!safe(d)) ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
       }
-      if (seg > 0xffffffffu || grant > 0xffffffffu) ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " names a segment or grant that is not in the batch");
-      remotes_[r] = BatchRemote{static_cast<uint32_t>(seg), static_cast<uint32_t>(grant), static_cast<uint64_t>(base), static_cast<uint64_t>(limit)};
+      if (grant > 0xffffffffu) ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " names a grant that is not in the batch");
+      remotes_[r] = BatchRemote{static_cast<uint32_t>(grant), static_cast<uint64_t>(first), static_cast<uint64_t>(n)};
     }
+    if (spans_js.ElementLength() % kSpanFields != 0) ThrowInvalid(env, "copyBatch: spans must hold 3 numbers per span");
+    in.spans = spans_js.Data();
+    in.n_spans = spans_js.ElementLength() / kSpanFields;
     in.locals = locals_.data();
     in.n_locals = locals_.size();
     in.remotes = remotes_.data();
@@ -584,7 +620,7 @@ class Addon : public Napi::Addon<Addon> {
     ranges_.resize(count);
     const double* rd = ranges.Data();
     for (size_t i = 0; i < count; i++) {
-      if (!DecodeBatchRange(rd, stride, i, in.locals, in.n_locals, in.remotes, in.n_remotes, in.write, in.segments, &ranges_[i], &f)) ThrowBatch(env, f);
+      if (!DecodeBatchRange(rd, stride, i, in, &ranges_[i], &f)) ThrowBatch(env, f);
     }
     in.ranges = ranges_.data();
     in.count = count;
@@ -658,6 +694,49 @@ class Addon : public Napi::Addon<Addon> {
   Napi::Value GrantRevokeJs(const Napi::CallbackInfo& info) {
     Bytes seg = SegmentArg(info, 0);
     Status s = GrantRevoke(seg.data, seg.size);
+    if (!s.ok()) Throw(info.Env(), s);
+    return info.Env().Undefined();
+  }
+
+  // ---- range-grant records (offset: the record's byte offset in the grant table mapping) ----
+
+  Napi::Value RecordEnterJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    uint64_t offset = U64Arg(info, 1);
+    uint64_t generation = U64Arg(info, 2);
+    Bytes token = U8Arg(info, 3);
+    return Napi::Number::New(info.Env(), RecordEnter(seg.data, seg.size, offset, generation, token.data, token.size));
+  }
+
+  Napi::Value RecordLeaveJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    RecordLeave(seg.data, seg.size, U64Arg(info, 1));
+    return info.Env().Undefined();
+  }
+
+  Napi::Value RecordActiveJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    return Napi::Number::New(info.Env(), RecordActive(seg.data, seg.size, U64Arg(info, 1)));
+  }
+
+  Napi::Value RecordPublishJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    Status s = RecordPublish(seg.data, seg.size, U64Arg(info, 1), U64Arg(info, 2));
+    if (!s.ok()) Throw(info.Env(), s);
+    return info.Env().Undefined();
+  }
+
+  Napi::Value RecordRevokeJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    uint32_t active = 0;
+    Status s = RecordRevoke(seg.data, seg.size, U64Arg(info, 1), U64Arg(info, 2), &active);
+    if (!s.ok()) Throw(info.Env(), s);
+    return Napi::Number::New(info.Env(), active);
+  }
+
+  Napi::Value RecordFreeJs(const Napi::CallbackInfo& info) {
+    Bytes seg = SegmentArg(info, 0);
+    Status s = RecordFree(seg.data, seg.size, U64Arg(info, 1));
     if (!s.ok()) Throw(info.Env(), s);
     return info.Env().Undefined();
   }

@@ -6,7 +6,7 @@
 //   off  size  field
 //     0     8  magic            "TWSEG\0\0\1" — release-stored last by the creator
 //     8     4  version          1
-//    12     4  kind             1 pool slot, 2 grant, 3 node presence
+//    12     4  kind             1 pool slot, 2 grant, 3 node presence, 4 grant table
 //    16     4  header_size      4096
 //    20     4  reserved
 //    24     8  data_offset      4096 (pool host slots), 0 otherwise
@@ -27,6 +27,20 @@
 //   320     1  id_length
 //   321   255  id               whole owner-namespaced id (pool / grant / node)
 //  1024  3072  ext              kind-specific, immutable once state is live
+//
+// A grant table (kind 4) holds range grants (register once, grant per lease): after the
+// header come `records` fixed-size records, `dir` directory entries (the data segments its
+// grants' ranges lie in) and an arena of `arena` bytes holding each grant's range table.
+// Its ext holds the three counts; a reader checks that header + records + directory +
+// arena is exactly the mapping size it learned from fstat before using any of them.
+//
+//   record (64 bytes)            directory entry (256 bytes)   range entry (24 bytes, arena)
+//     0  4 state (atomic)          0  4 state (1 live)           0  4 directory index
+//     4  4 active (atomic)         4  4 flags (1 seqlocked)      8  8 offset in the segment
+//     8  8 generation (atomic)     8  8 data bytes                     mapping (>= 4096)
+//    16 16 token                  16  1 name length             16  8 length
+//    32  8 arena offset           17 200 segment name
+//    40  4 range count
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -43,7 +57,7 @@ constexpr size_t kMaxIdLength = 255;
 constexpr size_t kMaxNameLength = 200;
 constexpr uint64_t kMaxSegmentBytes = 1ull << 40;  // 1 TiB hard cap
 
-enum Kind : uint32_t { kKindPool = 1, kKindGrant = 2, kKindNode = 3 };
+enum Kind : uint32_t { kKindPool = 1, kKindGrant = 2, kKindNode = 3, kKindTable = 4 };
 enum State : uint32_t { kStateInit = 0, kStateLive = 1, kStateDead = 2 };
 
 namespace off {
@@ -76,7 +90,29 @@ constexpr size_t grant_offset = ext + 24;      // u64 offset in the target segme
 constexpr size_t grant_length = ext + 32;      // u64
 constexpr size_t grant_name_len = ext + 40;    // u8
 constexpr size_t grant_name = ext + 41;        // up to 200 bytes: host data segment name
+// grant table ext
+constexpr size_t table_records = ext + 0;      // u32 records
+constexpr size_t table_dir = ext + 4;          // u32 directory entries
+constexpr size_t table_arena = ext + 8;        // u64 arena bytes
 }  // namespace off
+
+// A range-grant record of a grant table.
+constexpr size_t kRecordBytes = 64;
+namespace rec {
+constexpr size_t state = 0;         // u32 (atomic): kRecordFree, kRecordLive, kRecordRevoked
+constexpr size_t active = 4;        // u32 (atomic): batches of peers inside the grant
+constexpr size_t generation = 8;    // u64 (atomic): changes whenever the record is revoked
+constexpr size_t token = 16;        // 16 bytes, zeroed on revoke
+constexpr size_t arena_offset = 32; // u64: the range table, from the start of the arena
+constexpr size_t count = 40;        // u32: ranges
+}  // namespace rec
+enum RecordState : uint32_t { kRecordFree = 0, kRecordLive = 1, kRecordRevoked = 2 };
+constexpr size_t kDirEntryBytes = 256;
+constexpr size_t kRangeEntryBytes = 24;
+// Upper bounds a reader accepts for a table's geometry (the owner's defaults are far below).
+constexpr uint64_t kMaxTableRecords = 1ull << 20;
+constexpr uint64_t kMaxTableDir = 1ull << 18;
+constexpr uint64_t kMaxTableArena = 1ull << 32;
 
 constexpr size_t kTokenBytes = 16;
 constexpr size_t kIpcHandleBytes = 64;

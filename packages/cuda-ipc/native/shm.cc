@@ -126,7 +126,7 @@ Status DecodeStatic(const uint8_t* base, size_t size, uint32_t require_kind, con
     return Status::Fail(kInvalidInput, "segment header version " + std::to_string(m->version) + " is not supported");
   }
   m->kind = Load<uint32_t>(base, off::kind);
-  if (m->kind < kKindPool || m->kind > kKindNode) {
+  if (m->kind < kKindPool || m->kind > kKindTable) {
     return Status::Fail(kInvalidInput, "segment header: kind " + std::to_string(m->kind) + " is unknown");
   }
   if (require_kind != 0 && m->kind != require_kind) {
@@ -557,8 +557,7 @@ bool Fail(BatchFailure* f, const char* code, const char* remote_code, std::strin
 }
 
 inline void CopyRange(const BatchInput& in, const BatchRange& r) {
-  const BatchRemote& rem = in.remotes[r.remote];
-  uint8_t* remote = in.segments[rem.segment].base + rem.base + r.remote_offset;
+  uint8_t* remote = in.segments[r.segment].base + r.remote_at;
   uint8_t* local = in.locals[r.local].data + r.local_offset;
   if (in.write) {
     std::memcpy(remote, local, static_cast<size_t>(r.length));
@@ -637,11 +636,11 @@ bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gener
   order->assign(ns + 1 + in.count, 0);
   uint32_t* start = order->data();
   uint32_t* idx = start + ns + 1;
-  for (size_t i = 0; i < in.count; i++) start[in.remotes[in.ranges[i].remote].segment + 1]++;
+  for (size_t i = 0; i < in.count; i++) start[in.ranges[i].segment + 1]++;
   for (size_t s = 0; s < ns; s++) start[s + 1] += start[s];
   {
     std::vector<uint32_t> fill(start, start + ns);
-    for (size_t i = 0; i < in.count; i++) idx[fill[in.remotes[in.ranges[i].remote].segment]++] = static_cast<uint32_t>(i);
+    for (size_t i = 0; i < in.count; i++) idx[fill[in.ranges[i].segment]++] = static_cast<uint32_t>(i);
   }
   for (size_t s = 0; s < ns; s++) {
     const uint32_t* first = idx + start[s];
@@ -659,8 +658,7 @@ bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gener
 
 }  // namespace
 
-bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchLocal* locals, size_t n_locals, const BatchRemote* remotes,
-                      size_t n_remotes, bool write, const BatchSegment* segments, BatchRange* out, BatchFailure* f) {
+bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchInput& in, BatchRange* out, BatchFailure* f) {
   f->range = static_cast<int64_t>(i);
   // One read of each value (the array may be shared with another thread), then checks.
   double r[kBatchFields];
@@ -676,30 +674,46 @@ bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchLoca
   const uint64_t ri = static_cast<uint64_t>(r[3]);
   const uint64_t ro = static_cast<uint64_t>(r[4]);
   const uint64_t len = static_cast<uint64_t>(r[5]);
-  if (li >= n_locals) return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": local " + std::to_string(li) + " is not in the batch");
-  if (ri >= n_remotes) return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": remote " + std::to_string(ri) + " is not in the batch");
-  if (len == 0) return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + " is empty");
-  if (r[6] != 0) {
-    return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": remote range " + std::to_string(static_cast<uint64_t>(r[6])) +
-                                          " does not exist (a cuda-ipc grant is one range)");
+  const uint64_t rr = static_cast<uint64_t>(r[6]);
+  const std::string which = "range " + std::to_string(i);
+  if (li >= in.n_locals) return Fail(f, kInvalidInput, "", which + ": local " + std::to_string(li) + " is not in the batch");
+  if (ri >= in.n_remotes) return Fail(f, kInvalidInput, "", which + ": remote " + std::to_string(ri) + " is not in the batch");
+  if (len == 0) return Fail(f, kInvalidInput, "", which + " is empty");
+  const BatchRemote& remote = in.remotes[ri];
+  if (rr >= remote.count) {
+    return Fail(f, kInvalidInput, "", which + ": remote range " + std::to_string(rr) + " does not exist (the remote has " + std::to_string(remote.count) + ")");
   }
-  const BatchLocal& local = locals[li];
+  const BatchLocal& local = in.locals[li];
   if (len > local.size || lo > local.size - len) {
-    return Fail(f, kInvalidInput, "", "range " + std::to_string(i) + ": local bytes " + std::to_string(lo) + "+" + std::to_string(len) +
-                                          " exceed the local buffer of " + std::to_string(local.size) + " bytes");
+    return Fail(f, kInvalidInput, "", which + ": local bytes " + std::to_string(lo) + "+" + std::to_string(len) + " exceed the local buffer of " +
+                                          std::to_string(local.size) + " bytes");
   }
-  const BatchRemote& remote = remotes[ri];
-  if (len > remote.limit || ro > remote.limit - len) {
-    return Fail(f, kRemoteRejected, "bounds", "range " + std::to_string(i) + ": remote bytes " + std::to_string(ro) + "+" + std::to_string(len) +
-                                                  " exceed the grant of " + std::to_string(remote.limit) + " bytes");
+  // The span of the granted range, read once (CheckBatchTables checked first + count <= n_spans).
+  const double* sp = in.spans + (remote.first + rr) * kSpanFields;
+  const double sd = LoadOnce(sp), bd = LoadOnce(sp + 1), ld = LoadOnce(sp + 2);
+  if (!SafeInteger(sd) || !SafeInteger(bd) || !SafeInteger(ld) || sd >= static_cast<double>(in.n_segments)) {
+    return Fail(f, kInvalidInput, "", which + ": the span of remote range " + std::to_string(rr) + " is malformed or names a segment that is not in the batch");
   }
-  if (write && segments[remote.segment].seqlocked) {
-    return Fail(f, kRemoteRejected, "read-only", "range " + std::to_string(i) + ": the remote is a pool slot; peers may read it, only its owner writes it");
+  const BatchSegment& seg = in.segments[static_cast<size_t>(sd)];
+  const uint64_t base = static_cast<uint64_t>(bd);
+  const uint64_t limit = static_cast<uint64_t>(ld);
+  // The granted bytes lie in the segment's data area, never in its header, and inside the
+  // mapping (whose size came from fstat).
+  if (seg.base == nullptr || base < kDataOffset || base > seg.size || limit > seg.size - base) {
+    return Fail(f, kInvalidInput, "", which + ": granted bytes " + std::to_string(base) + "+" + std::to_string(limit) +
+                                          " lie outside the data of their segment (" + std::to_string(seg.size) + " bytes)");
+  }
+  if (len > limit || ro > limit - len) {
+    return Fail(f, kRemoteRejected, "bounds", which + ": remote bytes " + std::to_string(ro) + "+" + std::to_string(len) + " exceed the granted range of " +
+                                                  std::to_string(limit) + " bytes");
+  }
+  if (in.write && seg.seqlocked) {
+    return Fail(f, kRemoteRejected, "read-only", which + ": the remote is a pool slot; peers may read it, only its owner writes it");
   }
   out->local = static_cast<uint32_t>(li);
   out->local_offset = lo;
-  out->remote = static_cast<uint32_t>(ri);
-  out->remote_offset = ro;
+  out->segment = static_cast<uint32_t>(sd);
+  out->remote_at = base + ro;
   out->length = len;
   f->range = -1;
   return true;
@@ -721,30 +735,47 @@ bool CheckBatchTables(const BatchInput& in, BatchFailure* f) {
   }
   for (size_t r = 0; r < in.n_remotes; r++) {
     const BatchRemote& rem = in.remotes[r];
-    if (rem.segment >= in.n_segments || rem.grant >= in.n_grants) {
-      return Fail(f, kInvalidInput, "", "remote " + std::to_string(r) + " names a segment or grant that is not in the batch");
+    if (rem.grant >= in.n_grants) {
+      return Fail(f, kInvalidInput, "", "remote " + std::to_string(r) + " names a grant that is not in the batch");
     }
-    const BatchSegment& seg = in.segments[rem.segment];
-    // The granted bytes lie in the segment's data area, never in its header, and inside the
-    // mapping (whose size came from fstat).
-    if (seg.base == nullptr || rem.base < kDataOffset || rem.base > seg.size || rem.limit > seg.size - rem.base) {
-      return Fail(f, kInvalidInput, "", "remote " + std::to_string(r) + ": granted bytes " + std::to_string(rem.base) + "+" + std::to_string(rem.limit) +
-                                            " lie outside the data of its segment (" + std::to_string(seg.size) + " bytes)");
+    if (rem.count == 0 || rem.first > in.n_spans || rem.count > in.n_spans - rem.first) {
+      return Fail(f, kInvalidInput, "", "remote " + std::to_string(r) + ": spans " + std::to_string(rem.first) + "+" + std::to_string(rem.count) +
+                                            " are not in the span table of " + std::to_string(in.n_spans));
     }
   }
   for (size_t g = 0; g < in.n_grants; g++) {
-    if (in.grants[g].token == nullptr) return Fail(f, kInvalidInput, "", "grant " + std::to_string(g) + " has no token");
+    const BatchGrant& gr = in.grants[g];
+    if (gr.token == nullptr) return Fail(f, kInvalidInput, "", "grant " + std::to_string(g) + " has no token");
+    if (gr.record != 0) {
+      TableGeometry geo;
+      Status st = CheckTable(gr.base, gr.size, &geo);
+      if (st.ok() && (gr.record < kHeaderSize || (gr.record - kHeaderSize) % kRecordBytes != 0 || (gr.record - kHeaderSize) / kRecordBytes >= geo.records)) {
+        st = Status::Fail(kInvalidInput, "byte " + std::to_string(gr.record) + " is not a record of the table");
+      }
+      if (!st.ok()) {
+        f->grant = static_cast<int64_t>(g);
+        return Fail(f, kInvalidInput, "", "grant " + std::to_string(g) + ": " + st.message);
+      }
+    }
   }
   return true;
 }
 
 bool RunBatch(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* generations, BatchFailure* f) {
+  auto leave = [&](size_t k) {
+    const BatchGrant& g = in.grants[k];
+    if (g.record != 0) {
+      RecordLeave(g.base, g.size, g.record);
+    } else {
+      GrantLeave(g.base, g.size);
+    }
+  };
   size_t entered = 0;
   for (; entered < in.n_grants; entered++) {
     const BatchGrant& g = in.grants[entered];
-    GrantResult r = GrantEnter(g.base, g.size, g.token, kTokenBytes);
+    GrantResult r = g.record != 0 ? RecordEnter(g.base, g.size, g.record, g.generation, g.token, kTokenBytes) : GrantEnter(g.base, g.size, g.token, kTokenBytes);
     if (r != kGrantOk) {
-      for (size_t k = 0; k < entered; k++) GrantLeave(in.grants[k].base, in.grants[k].size);
+      for (size_t k = 0; k < entered; k++) leave(k);
       f->grant = static_cast<int64_t>(entered);
       const char* rc = r == kGrantRevoked ? "revoked" : r == kGrantBadToken ? "bad-token" : "bad-grant";
       const char* why = r == kGrantRevoked ? "was revoked" : r == kGrantBadToken ? "rejected the token" : "is not a grant";
@@ -752,7 +783,7 @@ bool RunBatch(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gene
     }
   }
   bool ok = CopyAll(in, order, generations, f);
-  for (size_t k = 0; k < in.n_grants; k++) GrantLeave(in.grants[k].base, in.grants[k].size);
+  for (size_t k = 0; k < in.n_grants; k++) leave(k);
   return ok;
 }
 
@@ -845,6 +876,103 @@ Status GrantRevoke(uint8_t* base, size_t size) {
   __atomic_store_n(AtomicAt<uint32_t>(base, off::state), static_cast<uint32_t>(kStateDead), __ATOMIC_SEQ_CST);
   for (size_t i = 0; i < kTokenBytes; i++) __atomic_store_n(base + off::grant_token + i, static_cast<uint8_t>(0), __ATOMIC_RELAXED);
   __atomic_thread_fence(__ATOMIC_SEQ_CST);
+  return Status::Ok();
+}
+
+// ---- range-grant records ----
+
+Status CheckTable(const uint8_t* base, size_t size, TableGeometry* out) {
+  Status s = BasicChecks(base, size);
+  if (!s.ok()) return s;
+  if (Load<uint32_t>(base, off::kind) != kKindTable) return Status::Fail(kInvalidInput, "segment is not a grant table");
+  TableGeometry g;
+  g.records = Load<uint32_t>(base, off::table_records);
+  g.dir = Load<uint32_t>(base, off::table_dir);
+  g.arena = Load<uint64_t>(base, off::table_arena);
+  if (g.records == 0 || g.records > kMaxTableRecords || g.dir == 0 || g.dir > kMaxTableDir || g.arena > kMaxTableArena || g.arena % 8 != 0) {
+    return Status::Fail(kInvalidInput, "grant table geometry is out of range");
+  }
+  // Every term is bounded above, so the sum cannot overflow.
+  if (kHeaderSize + g.records * kRecordBytes + g.dir * kDirEntryBytes + g.arena != size) {
+    return Status::Fail(kInvalidInput, "grant table geometry does not match the segment size " + std::to_string(size));
+  }
+  *out = g;
+  return Status::Ok();
+}
+
+namespace {
+// The record at `offset` of a valid table, or nullptr.
+uint8_t* RecordAt(uint8_t* base, size_t size, uint64_t offset) {
+  TableGeometry g;
+  if (!CheckTable(base, size, &g).ok()) return nullptr;
+  if (offset < kHeaderSize || (offset - kHeaderSize) % kRecordBytes != 0 || (offset - kHeaderSize) / kRecordBytes >= g.records) return nullptr;
+  return base + offset;
+}
+}  // namespace
+
+GrantResult RecordEnter(uint8_t* base, size_t size, uint64_t offset, uint64_t generation, const uint8_t* token, size_t token_len) {
+  uint8_t* r = RecordAt(base, size, offset);
+  if (r == nullptr) return kGrantNotGrant;
+  uint32_t* active = AtomicAt<uint32_t>(r, rec::active);
+  __atomic_fetch_add(active, 1u, __ATOMIC_SEQ_CST);
+  // seq_cst pairs with RecordRevoke's store of the state: either the owner sees active > 0
+  // and waits, or this sees the record revoked (or reused: another generation) and backs out.
+  uint32_t state = __atomic_load_n(AtomicAt<uint32_t>(r, rec::state), __ATOMIC_SEQ_CST);
+  uint64_t gen = __atomic_load_n(AtomicAt<uint64_t>(r, rec::generation), __ATOMIC_SEQ_CST);
+  if (state != kRecordLive || gen != generation) {
+    __atomic_fetch_sub(active, 1u, __ATOMIC_SEQ_CST);
+    return kGrantRevoked;
+  }
+  uint8_t diff = token_len == kTokenBytes ? 0 : 1;
+  for (size_t i = 0; i < kTokenBytes; i++) {
+    uint8_t t = __atomic_load_n(r + rec::token + i, __ATOMIC_RELAXED);
+    diff |= static_cast<uint8_t>(t ^ (i < token_len ? token[i] : 0));
+  }
+  if (diff != 0) {
+    __atomic_fetch_sub(active, 1u, __ATOMIC_SEQ_CST);
+    return kGrantBadToken;
+  }
+  return kGrantOk;
+}
+
+void RecordLeave(uint8_t* base, size_t size, uint64_t offset) {
+  uint8_t* r = RecordAt(base, size, offset);
+  if (r == nullptr) return;
+  uint32_t* active = AtomicAt<uint32_t>(r, rec::active);
+  uint32_t cur = __atomic_load_n(active, __ATOMIC_RELAXED);
+  while (cur > 0 && !__atomic_compare_exchange_n(active, &cur, cur - 1, false, __ATOMIC_SEQ_CST, __ATOMIC_RELAXED)) {
+  }
+}
+
+uint32_t RecordActive(const uint8_t* base, size_t size, uint64_t offset) {
+  uint8_t* r = RecordAt(const_cast<uint8_t*>(base), size, offset);
+  if (r == nullptr) return 0;
+  return __atomic_load_n(AtomicAt<uint32_t>(r, rec::active), __ATOMIC_SEQ_CST);
+}
+
+Status RecordPublish(uint8_t* base, size_t size, uint64_t offset, uint64_t generation) {
+  uint8_t* r = RecordAt(base, size, offset);
+  if (r == nullptr) return Status::Fail(kInvalidInput, "not a record of a grant table");
+  __atomic_store_n(AtomicAt<uint64_t>(r, rec::generation), generation, __ATOMIC_SEQ_CST);
+  // Publish: a peer that sees the record live (seq_cst load) sees its token and range table.
+  __atomic_store_n(AtomicAt<uint32_t>(r, rec::state), static_cast<uint32_t>(kRecordLive), __ATOMIC_SEQ_CST);
+  return Status::Ok();
+}
+
+Status RecordRevoke(uint8_t* base, size_t size, uint64_t offset, uint64_t next_generation, uint32_t* active_out) {
+  uint8_t* r = RecordAt(base, size, offset);
+  if (r == nullptr) return Status::Fail(kInvalidInput, "not a record of a grant table");
+  __atomic_store_n(AtomicAt<uint32_t>(r, rec::state), static_cast<uint32_t>(kRecordRevoked), __ATOMIC_SEQ_CST);
+  for (size_t i = 0; i < kTokenBytes; i++) __atomic_store_n(r + rec::token + i, static_cast<uint8_t>(0), __ATOMIC_RELAXED);
+  __atomic_store_n(AtomicAt<uint64_t>(r, rec::generation), next_generation, __ATOMIC_SEQ_CST);
+  *active_out = __atomic_load_n(AtomicAt<uint32_t>(r, rec::active), __ATOMIC_SEQ_CST);
+  return Status::Ok();
+}
+
+Status RecordFree(uint8_t* base, size_t size, uint64_t offset) {
+  uint8_t* r = RecordAt(base, size, offset);
+  if (r == nullptr) return Status::Fail(kInvalidInput, "not a record of a grant table");
+  __atomic_store_n(AtomicAt<uint32_t>(r, rec::state), static_cast<uint32_t>(kRecordFree), __ATOMIC_SEQ_CST);
   return Status::Ok();
 }
 

@@ -107,13 +107,15 @@ Status SeqCopyRange(const uint8_t* base, size_t size, uint64_t offset, uint64_t 
                     uint32_t max_attempts, uint64_t* generation_out);
 // ---- batches (the transport's one native call per stream batch) ----
 
-// One range of a batch, decoded from the caller's Float64Array and validated.
+// One range of a batch, decoded from the caller's Float64Array and validated: the local
+// bytes [local_offset, +length) of local `local`, the remote bytes [remote_at, +length) of
+// the mapping of segment `segment` (remote_at counts from the start of the mapping).
 struct BatchRange {
   uint64_t local_offset = 0;
-  uint64_t remote_offset = 0;
+  uint64_t remote_at = 0;
   uint64_t length = 0;
   uint32_t local = 0;
-  uint32_t remote = 0;
+  uint32_t segment = 0;
 };
 // A local host buffer (the caller's Uint8Array).
 struct BatchLocal {
@@ -127,19 +129,23 @@ struct BatchSegment {
   size_t size = 0;
   bool seqlocked = false;
 };
-// A grant segment mapping and the token to enter it with (kTokenBytes).
+// What a batch enters before it copies: a grant segment (record == 0) or the range-grant
+// record at byte `record` of a grant table mapping, entered with `token` (kTokenBytes) and,
+// for a record, the `generation` the peer's payload names.
 struct BatchGrant {
   uint8_t* base = nullptr;
   size_t size = 0;
   const uint8_t* token = nullptr;
+  uint64_t record = 0;
+  uint64_t generation = 0;
 };
-// A remote of the batch: which segment and grant it is, and the granted bytes
-// [base, base + limit) of the segment mapping (base counts from the start of the mapping).
+// A remote of the batch: the grant it is entered through and its granted ranges, spans
+// [first, first + count) of the batch's span table. A whole registration is one span; a
+// range grant has one span per granted range, and a range names its span by RemoteRange.
 struct BatchRemote {
-  uint32_t segment = 0;
   uint32_t grant = 0;
-  uint64_t base = 0;
-  uint64_t limit = 0;
+  uint64_t first = 0;
+  uint64_t count = 0;
 };
 struct BatchInput {
   bool write = false;
@@ -149,6 +155,10 @@ struct BatchInput {
   size_t n_locals = 0;
   const BatchRemote* remotes = nullptr;
   size_t n_remotes = 0;
+  // 3 numbers per span: segment index, base (offset of the granted bytes in the segment
+  // mapping), limit (bytes granted). Read once per range that uses a span, then checked.
+  const double* spans = nullptr;
+  size_t n_spans = 0;
   const BatchSegment* segments = nullptr;
   size_t n_segments = 0;
   const BatchGrant* grants = nullptr;
@@ -172,25 +182,27 @@ struct BatchFailure {
 // Numbers per range the addon reads: core's RangeField Request, Local, LocalOffset, Remote,
 // RemoteOffset, Length, RemoteRange, in this order (a wider stride leaves the rest unread).
 constexpr size_t kBatchFields = 7;
+constexpr size_t kSpanFields = 3;
 // Decode range `i` of `at` (`stride` >= kBatchFields numbers per range) and check it against
 // the tables: every value a non-negative safe integer, indices inside the tables, length >= 1,
-// remote range 0 (a grant here is one range), both sides inside their bounds (the local
-// buffer's length, the remote's granted limit). Overflow-safe. False with `f` set otherwise.
-bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchLocal* locals, size_t n_locals, const BatchRemote* remotes,
-                      size_t n_remotes, bool write, const BatchSegment* segments, BatchRange* out, BatchFailure* f);
-// Check the tables themselves: each remote's segment and grant index inside the tables and its
-// granted bytes inside the segment's data area (never the header); each seqlocked segment a
-// valid host pool slot header.
+// its remote range inside the remote's spans, the span itself (read once) inside the data of
+// its segment (never the header), and both sides inside their bounds (the local buffer's
+// length, the span's limit: the granted range, not the region). Overflow-safe. False with
+// `f` set otherwise. `in.ranges` and `in.count` are not used.
+bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchInput& in, BatchRange* out, BatchFailure* f);
+// Check the tables themselves: each remote's grant index inside the tables and its spans
+// inside the span table; each seqlocked segment a valid host pool slot header; each grant
+// with a token, and each record inside the records of a valid grant table.
 bool CheckBatchTables(const BatchInput& in, BatchFailure* f);
 // One read of the double at `p` (which another thread may be writing), for the tables.
 double BatchLoadOnce(const double* p);
-// Run a validated batch: enter every grant once (in-flight counter++, state and token checked,
-// seq_cst; on a failure the grants entered so far are left and nothing is copied), copy every
-// range, leave every grant. A read of a seqlocked segment copies all of that segment's ranges
-// under one seqlock read (acquire load of the generation, copies, acquire fence, re-load) and
-// retries all of them when a write overlapped, at most `max_attempts` times (then
-// kRemoteRejected / "slot-rewritten"); `generations[s]` is the generation segment s was copied
-// at (0 for segments without a seqlock). `order` is scratch space.
+// Run a validated batch: enter every grant once (in-flight counter++, state, generation and
+// token checked, seq_cst; on a failure the grants entered so far are left and nothing is
+// copied), copy every range, leave every grant. A read of a seqlocked segment copies all of
+// that segment's ranges under one seqlock read (acquire load of the generation, copies,
+// acquire fence, re-load) and retries all of them when a write overlapped, at most
+// `max_attempts` times (then kRemoteRejected / "slot-rewritten"); `generations[s]` is the
+// generation segment s was copied at (0 for segments without a seqlock). `order` is scratch.
 bool RunBatch(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* generations, BatchFailure* f);
 
 // Owner's write: validate against the owner's capacity, take the seqlock, copy, publish.
@@ -215,5 +227,27 @@ GrantResult GrantEnter(uint8_t* base, size_t size, const uint8_t* token, size_t 
 void GrantLeave(uint8_t* base, size_t size);
 uint32_t GrantActive(const uint8_t* base, size_t size);
 Status GrantRevoke(uint8_t* base, size_t size);
+
+// Range-grant records of a grant table (kind kKindTable, see layout.h). `offset` is the
+// record's byte offset in the table mapping; every call checks the table's header and
+// geometry against `size` (the mapping length) and that `offset` is a record of it.
+// Enter = active++, then state live, generation == `generation` and token checked (seq_cst;
+// pairs with RecordRevoke as GrantEnter does with GrantRevoke); any mismatch backs out.
+struct TableGeometry {
+  uint64_t records = 0;
+  uint64_t dir = 0;
+  uint64_t arena = 0;
+};
+Status CheckTable(const uint8_t* base, size_t size, TableGeometry* out);
+GrantResult RecordEnter(uint8_t* base, size_t size, uint64_t offset, uint64_t generation, const uint8_t* token, size_t token_len);
+void RecordLeave(uint8_t* base, size_t size, uint64_t offset);
+uint32_t RecordActive(const uint8_t* base, size_t size, uint64_t offset);
+// Owner: the record's token, range table and count are written; store `generation`, then
+// publish the record live (seq_cst).
+Status RecordPublish(uint8_t* base, size_t size, uint64_t offset, uint64_t generation);
+// Owner: state revoked (seq_cst), token zeroed, generation = `next_generation`; *active_out
+// is the in-flight count seen after (the owner waits for 0 before RecordFree).
+Status RecordRevoke(uint8_t* base, size_t size, uint64_t offset, uint64_t next_generation, uint32_t* active_out);
+Status RecordFree(uint8_t* base, size_t size, uint64_t offset);
 
 }  // namespace tw

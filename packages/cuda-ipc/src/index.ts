@@ -1,7 +1,7 @@
 export { TensorPool, PoolView } from './pool.js';
 export type { PoolOptions, SlotSpec, WriteOptions, ReadOptions, FreeResult, PoolViewInfo, Device } from './pool.js';
 export { CudaIpcTransport, decodePayload, decodeEndpointBlob } from './transport.js';
-export type { CudaIpcTransportOptions, RemoteGrant } from './transport.js';
+export type { CudaIpcTransportOptions, RemoteGrant, RemoteRangeGrant } from './transport.js';
 export { allocateSharedMemory, releaseSharedMemory, sweep } from './shared.js';
 export type { SweepReport } from './shared.js';
 export { capabilities, isAvailable, native, addonCandidates, SegmentKind, SegmentState } from './native.js';

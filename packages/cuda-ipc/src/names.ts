@@ -1,6 +1,6 @@
 /**
  * Shared-memory segment names. Every name is `/tw-<k>.<owner>.<rest>` where `<k>` says
- * the kind (`p` pool slot, `g` grant, `n` node presence), `<owner>` and `<rest>` are
+ * the kind (`p` pool slot, `g` grant, `n` node presence, `t` grant table), `<owner>` and `<rest>` are
  * `[A-Za-z0-9_-]` (the alphabet of owner-namespaced ids), so `.` separates them without
  * ambiguity and the whole pool id maps to exactly one name and back.
  */
@@ -42,7 +42,7 @@ export function poolIdFromSegmentName(name: string): string | undefined {
 }
 
 /** A fresh unguessable segment name of kind `k` for `owner`. */
-export function randomSegmentName(k: 'g' | 'n', owner: string): string {
+export function randomSegmentName(k: 'g' | 'n' | 't', owner: string): string {
   assertOwner(owner);
   return `${NAME_PREFIX}${k}.${owner}.${randomBytes(16).toString('hex')}`;
 }

@@ -10,10 +10,12 @@ import { fileURLToPath } from 'node:url';
 import { BackendUnavailableError, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
 
 /** Segment kinds in the header's `kind` field. */
-export const SegmentKind = { Pool: 1, Grant: 2, Node: 3 } as const;
+export const SegmentKind = { Pool: 1, Grant: 2, Node: 3, GrantTable: 4 } as const;
 /** Segment states in the header's `state` field. */
 export const SegmentState = { Init: 0, Live: 1, Dead: 2 } as const;
-/** Results of {@link NativeAddon.grantEnter}. */
+/** States of a range-grant record in a grant table (native/layout.h). */
+export const RecordState = { Free: 0, Live: 1, Revoked: 2 } as const;
+/** Results of {@link NativeAddon.grantEnter} and {@link NativeAddon.recordEnter}. */
 export const GrantResult = { Ok: 0, Revoked: 1, BadToken: 2, NotGrant: 3 } as const;
 
 export interface SegmentMeta {
@@ -59,6 +61,8 @@ export interface NativeLayout {
   readonly maxSegmentBytes: number;
   readonly tokenBytes: number;
   readonly offsets: Readonly<Record<string, number>>;
+  /** Grant table geometry (native/layout.h): record, directory entry and range entry sizes, record field offsets, reader limits. */
+  readonly table: Readonly<Record<string, number>>;
 }
 
 export interface CudaProbe {
@@ -104,16 +108,20 @@ export interface NativeAddon {
   /**
    * One stream batch of host copies in one call (see native/addon.cc, CopyBatchJs). `op` 0
    * reads (segment → local), 1 writes. `ranges` holds `count` ranges of `stride` numbers, the
-   * first seven in core's RangeField order (RemoteRange must be 0);
-   * `locals` the local buffers by RangeField.Local; `remotes` 4 numbers per RangeField.Remote
-   * (segment index, grant index, offset of the granted bytes in the segment mapping, bytes
-   * granted); `segments` the data segment mappings with `segmentFlags` (1: seqlocked pool
-   * slot); `grants` the grant mappings with 16 bytes each of `tokens`. Validates everything
-   * against the real lengths before any grant is entered or any byte moves; enters each
-   * grant once; copies all of a pool slot's ranges as one seqlock snapshot (retried at most
-   * `maxAttempts` times, bounded by `deadlineMs`), writing its generation to `generations`.
-   * Errors carry `details.range`, `details.grant` or `details.segment` (indices) where they
-   * are about one, and `details.remoteCode` for RemoteRejectedError.
+   * first seven in core's RangeField order; `locals` the local buffers by RangeField.Local;
+   * `remotes` 3 numbers per RangeField.Remote (grant index, first span, span count: one span
+   * for a whole registration, one per granted range for a range grant, picked by
+   * RangeField.RemoteRange); `spans` 3 numbers per span (segment index, offset of the granted
+   * bytes in the segment mapping, bytes granted); `segments` the data segment mappings with
+   * `segmentFlags` (1: seqlocked pool slot); `grants` the grant segment or grant table mappings
+   * with `grantInfo` (2 numbers each: byte offset of the range-grant record, 0 for a grant
+   * segment; the record's generation) and 16 bytes each of `tokens`. Validates everything
+   * against the real lengths before any grant is entered or any byte moves (a range against
+   * its granted range, never the whole region); enters each grant once; copies all of a pool
+   * slot's ranges as one seqlock snapshot (retried at most `maxAttempts` times, bounded by
+   * `deadlineMs`), writing its generation to `generations`. Errors carry `details.range`,
+   * `details.grant` or `details.segment` (indices) where they are about one, and
+   * `details.remoteCode` for RemoteRejectedError.
    */
   copyBatch(
     op: 0 | 1,
@@ -122,9 +130,11 @@ export interface NativeAddon {
     stride: number,
     locals: readonly Uint8Array[],
     remotes: Float64Array,
+    spans: Float64Array,
     segments: readonly ArrayBuffer[],
     segmentFlags: Uint8Array,
     grants: readonly ArrayBuffer[],
+    grantInfo: Float64Array,
     tokens: Uint8Array,
     deadlineMs: number,
     maxAttempts: number,
@@ -139,6 +149,21 @@ export interface NativeAddon {
   grantLeave(segment: ArrayBuffer): void;
   grantActive(segment: ArrayBuffer): number;
   grantRevoke(segment: ArrayBuffer): void;
+  /**
+   * Range-grant records of a grant table (`offset`: the record's byte offset in the table
+   * mapping; the table's header and geometry are checked against the mapping on every call).
+   * Enter: in-flight counter++, then state live, generation and token checked (seq_cst), or
+   * backs out and says why ({@link GrantResult}).
+   */
+  recordEnter(table: ArrayBuffer, offset: number, generation: number, token: Uint8Array): number;
+  recordLeave(table: ArrayBuffer, offset: number): void;
+  recordActive(table: ArrayBuffer, offset: number): number;
+  /** Owner: store the generation, then publish the record live (seq_cst). */
+  recordPublish(table: ArrayBuffer, offset: number, generation: number): void;
+  /** Owner: mark revoked, zero the token, set the next generation; returns the in-flight count seen after. */
+  recordRevoke(table: ArrayBuffer, offset: number, nextGeneration: number): number;
+  /** Owner: the record is free for reuse (after its in-flight count drained). */
+  recordFree(table: ArrayBuffer, offset: number): void;
   cudaProbe(): CudaProbe;
   cudaAlloc(device: number, bytes: number): Promise<bigint>;
   cudaExport(device: number, pointer: bigint): Promise<CudaExport>;
@@ -245,9 +270,11 @@ function copyBatch(
   stride: number,
   locals: readonly Uint8Array[],
   remotes: Float64Array,
+  spans: Float64Array,
   segments: readonly ArrayBuffer[],
   segmentFlags: Uint8Array,
   grants: readonly ArrayBuffer[],
+  grantInfo: Float64Array,
   tokens: Uint8Array,
   deadlineMs: number,
   maxAttempts: number,
@@ -255,7 +282,7 @@ function copyBatch(
 ): void {
   const a = loaded?.addon ?? addon();
   try {
-    a.copyBatch(op, ranges, count, stride, locals, remotes, segments, segmentFlags, grants, tokens, deadlineMs, maxAttempts, generations);
+    a.copyBatch(op, ranges, count, stride, locals, remotes, spans, segments, segmentFlags, grants, grantInfo, tokens, deadlineMs, maxAttempts, generations);
   } catch (e) {
     throw toTypedError(e);
   }
@@ -295,6 +322,12 @@ export const native: NativeAddon = {
   grantLeave: wrap('grantLeave'),
   grantActive: wrap('grantActive'),
   grantRevoke: wrap('grantRevoke'),
+  recordEnter: wrap('recordEnter'),
+  recordLeave: wrap('recordLeave'),
+  recordActive: wrap('recordActive'),
+  recordPublish: wrap('recordPublish'),
+  recordRevoke: wrap('recordRevoke'),
+  recordFree: wrap('recordFree'),
   cudaProbe: wrap('cudaProbe'),
   cudaAlloc: wrap('cudaAlloc'),
   cudaExport: wrap('cudaExport'),

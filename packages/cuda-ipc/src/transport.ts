@@ -19,12 +19,27 @@
  *   token, waits for the counter to reach 0, then unlinks it: after that every access fails
  *   with RemoteRejectedError, even through mappings the peer has cached. A grant over a pool
  *   slot is read-only to peers, and a peer reads it under the slot's seqlock (never torn).
+ * - Range grants (`grant()`, register once, grant per lease): one record in a grant table
+ *   segment `/tw-t.<node>.<random>` (one per transport, a few more when it fills up) holds the
+ *   state, a 128-bit token, an in-flight counter, a generation and where the grant's range
+ *   table lies in the table's arena; the table's directory names the data segments the ranges
+ *   lie in. No segment per grant: granting is O(ranges) stores and one publish, `revokeGrant()`
+ *   is O(1) (mark revoked, zero the token, bump the generation, wait for the counter to drain,
+ *   free the record). The payload is table name + record + generation + token. A peer maps the
+ *   table once per connection, reads a grant's range table once (entered, so it cannot change
+ *   under it), and each batch enters the record (generation and token checked) and copies each
+ *   range only inside its granted range. See src/grants.ts.
  * - Batches. A batch of host memory on both sides is one native call (`copyBatch`): the
  *   transport resolves each distinct grant, data segment and local handle of the batch once
- *   (cached per batch), and the addon validates every range against the real buffer and
- *   mapping lengths, enters each grant once, copies every range, and leaves; all of a pool
- *   slot's ranges in a batch are one seqlock snapshot. Batches with CUDA memory on either side
- *   take a per-range path (one driver copy per range).
+ *   (cached per batch), and the addon validates every range against its granted range and the
+ *   real buffer and mapping lengths, enters each grant once, copies every range, and leaves;
+ *   all of a pool slot's ranges in a batch are one seqlock snapshot. Batches with CUDA memory
+ *   on either side take a per-range path (one driver copy per range); range grants are served
+ *   between host memory only.
+ * - One stream. Every host batch is one synchronous native copy on the calling thread, so
+ *   several streams would run one after the other anyway (no parallelism), and splitting a
+ *   transfer over streams would split one slot's ranges into several snapshots:
+ *   `capabilities.maxStreams` is 1.
  * - Other host memory (a plain Uint8Array) registers as local-only: it can be the local
  *   side of any transfer, and a peer that tries to use it remotely gets a clear
  *   InvalidInputError from decodeRemote.
@@ -60,12 +75,30 @@ import {
   type TransportHost,
   type TransportRegistration,
   type TransferBatch,
+  type GrantRanges,
+  GRANT_STRIDE,
+  GrantField,
   RANGE_STRIDE,
   RangeField,
+  ResourceExhaustedError,
   errorFromCode,
   isToken,
 } from '@tensorwire/core';
 import { GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native } from './native.js';
+import {
+  GrantTable,
+  RANGE_BYTES,
+  RECORD_BYTES,
+  checkGeometry,
+  freshToken,
+  grownGeometry,
+  openTableView,
+  readRangeTable,
+  type DirSegment,
+  type GrantedSegment,
+  type TableGeometry,
+  type TableView,
+} from './grants.js';
 import { randomSegmentName, segmentNameProblem } from './names.js';
 import { isProcessAlive, selfStartTime } from './proc.js';
 import { HEADER_SIZE, MAX_SEGMENT_BYTES, hookExit, regionOf } from './shared.js';
@@ -74,6 +107,11 @@ const ENDPOINT_MAGIC = [0x54, 0x57, 0x43, 0x45]; // TWCE
 const PAYLOAD_MAGIC = [0x54, 0x57, 0x43, 0x47]; // TWCG
 const WIRE_VERSION = 1;
 const TOKEN_BYTES = 16;
+/** Payload modes: local only, a whole registration (grant segment), a range grant (table record). */
+const MODE_LOCAL = 0;
+const MODE_REGISTRATION = 1;
+const MODE_RANGES = 2;
+const TWO32 = 2 ** 32;
 
 // Grant ext offsets (native/layout.h).
 const EXT = 1024;
@@ -96,8 +134,17 @@ const N_HOST = EXT + 1;
 export interface CudaIpcTransportOptions {
   /** Largest chunk per copy (default 64 MiB). */
   readonly maxChunkBytes?: number;
-  /** How long revoke() waits for a peer's copy in flight before unlinking anyway (default 10 s). */
+  /** How long revoke() and revokeGrant() wait for a peer's copy in flight (default 10 s). */
   readonly revokeTimeoutMs?: number;
+  /**
+   * Capacity of the grant tables behind {@link CudaIpcTransport.grant}: the first table has
+   * `records` grants (default 4096), `segments` directory entries (distinct data segments
+   * its grants cover, default 4096) and `rangeBytes` of range tables (24 bytes per granted
+   * range, default 4 MiB); when one is full another table is created, twice the size each
+   * time (at most 8×), at most `maxTables` (default 8). Beyond that grant() fails with
+   * ResourceExhaustedError.
+   */
+  readonly grantTable?: { readonly records?: number; readonly segments?: number; readonly rangeBytes?: number; readonly maxTables?: number };
   readonly logger?: Logger;
 }
 
@@ -111,9 +158,34 @@ class Grant {
 
 /** The opaque per-registration handle. */
 class HostHandle {
+  revoked = false;
+  /** Set by the first revoke(): its range grants revoked, then its directory references dropped. */
+  revokedRanges: Promise<void> | undefined;
+  /** Grant tables whose directory holds a reference for this registration's segment, and its index there. */
+  tables: GrantTable[] | undefined;
+  dirs: number[] | undefined;
   constructor(
     readonly buffer: Uint8Array,
     readonly grant: Grant | undefined,
+    /** The shared segment the buffer lies in (undefined: local only). */
+    readonly segment: GrantedSegment | undefined,
+    /** Where the buffer starts in the segment mapping. */
+    readonly base: number,
+  ) {}
+}
+
+/** The opaque handle of a range grant: one record of a grant table. */
+class RangeGrant {
+  revoked: Promise<void> | undefined;
+  constructor(
+    readonly owner: CudaIpcTransport,
+    readonly table: GrantTable,
+    readonly record: number,
+    readonly generation: number,
+    readonly arenaOffset: number,
+    readonly arenaBytes: number,
+    /** The registrations it covers (revoking one revokes this grant first). */
+    readonly handles: readonly HostHandle[],
   ) {}
 }
 class CudaHandle {
@@ -131,6 +203,21 @@ export interface RemoteGrant {
   readonly grantName: string;
   readonly token: Uint8Array;
   readonly length: number;
+}
+
+/** A peer's range grant as decoded from its descriptor payload (and the descriptor's range lengths). */
+export interface RemoteRangeGrant {
+  readonly kind: 'host';
+  /** The grant table segment (`/tw-t.…`). */
+  readonly tableName: string;
+  readonly record: number;
+  readonly generation: number;
+  readonly token: Uint8Array;
+  /** Ranges, and bytes of all ranges, as the payload says (the grant's range table must agree). */
+  readonly count: number;
+  readonly length: number;
+  /** Length of each granted range as the descriptor says: the engine's to check requests; never trusted here. */
+  readonly rangeLengths: Float64Array;
 }
 
 interface EndpointInfo {
@@ -170,13 +257,26 @@ export function decodeEndpointBlob(bytes: Uint8Array): EndpointInfo {
 function encodePayload(kind: MemoryKind, grant: { name: string; token: Uint8Array } | undefined, length: number): Uint8Array {
   const w = new ByteWriter(96);
   for (const b of PAYLOAD_MAGIC) w.u8(b);
-  w.u8(WIRE_VERSION).u8(kind === 'host' ? 0 : 1).u8(grant ? 1 : 0);
+  w.u8(WIRE_VERSION).u8(kind === 'host' ? 0 : 1).u8(grant ? MODE_REGISTRATION : MODE_LOCAL);
   if (grant) w.str8(grant.name).bytes(grant.token);
   return w.u64(length).finish();
 }
 
-/** Decode and validate a cuda-ipc descriptor payload (throws InvalidInputError). */
-export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): RemoteGrant {
+/** A range grant's payload: what a peer needs to find and enter the record, whatever the number of ranges. */
+function encodeRangePayload(table: string, record: number, generation: number, token: Uint8Array, count: number, length: number): Uint8Array {
+  const w = new ByteWriter(128);
+  for (const b of PAYLOAD_MAGIC) w.u8(b);
+  return w.u8(WIRE_VERSION).u8(0).u8(MODE_RANGES).str8(table).u32(record).u64(generation).bytes(token).u32(count).u64(length).finish();
+}
+
+/**
+ * Decode and validate a cuda-ipc descriptor payload (throws InvalidInputError). A descriptor
+ * of a range grant carries `rangeLengths`, and its payload must be a range grant's; a
+ * registration's descriptor carries none.
+ */
+export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number): RemoteGrant;
+export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths: Float64Array | undefined): RemoteGrant | RemoteRangeGrant;
+export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths?: Float64Array): RemoteGrant | RemoteRangeGrant {
   const r = new ByteReader(payload, 'cuda-ipc payload');
   for (const b of PAYLOAD_MAGIC) if (r.u8('magic') !== b) throw new InvalidInputError('not a cuda-ipc payload (bad magic)', { details: { field: 'magic' } });
   const v = r.u8('version');
@@ -185,15 +285,36 @@ export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteL
   if (kb > 1) throw new InvalidInputError(`cuda-ipc payload: memory kind ${kb} is unknown`, { details: { field: 'memoryKind' } });
   const kind: MemoryKind = kb === 0 ? 'host' : 'cuda';
   if (kind !== memoryKind) throw new InvalidInputError(`cuda-ipc payload is for ${kind} memory, descriptor says ${memoryKind}`, { details: { field: 'memoryKind' } });
-  const shared = r.u8('mode');
-  if (shared > 1) throw new InvalidInputError(`cuda-ipc payload: mode ${shared} is unknown`, { details: { field: 'mode' } });
-  if (shared === 0) {
+  const mode = r.u8('mode');
+  if (mode > MODE_RANGES) throw new InvalidInputError(`cuda-ipc payload: mode ${mode} is unknown`, { details: { field: 'mode' } });
+  if (mode === MODE_LOCAL) {
     r.u64('length');
     r.end();
     throw new InvalidInputError(
       'the peer registered this memory for local use only: it is not in shared memory (allocate it with allocateSharedMemory() or use a pool slot)',
       { details: { field: 'remote' } },
     );
+  }
+  if (mode === MODE_RANGES) {
+    if (kind !== 'host') throw new InvalidInputError('cuda-ipc payload: range grants are of host memory', { details: { field: 'memoryKind' } });
+    const tableName = r.str8('grant table');
+    const p = segmentNameProblem(tableName);
+    if (p !== undefined || !tableName.startsWith('/tw-t.')) throw new InvalidInputError(`cuda-ipc payload: ${p ?? 'not a grant table'}`, { details: { field: 'grant' } });
+    const record = r.u32('record');
+    const generation = r.safeU64('generation');
+    const token = r.bytes(TOKEN_BYTES, 'token').slice();
+    const count = r.u32('range count');
+    const length = r.safeU64('length');
+    r.end();
+    if (rangeLengths === undefined) throw new InvalidInputError('cuda-ipc payload is a range grant, but the descriptor has no range lengths', { details: { field: 'rangeLengths' } });
+    if (!(rangeLengths instanceof Float64Array)) throw new InvalidInputError('cuda-ipc: range lengths must be a Float64Array', { details: { field: 'rangeLengths' } });
+    if (count === 0) throw new InvalidInputError('cuda-ipc payload grants no range', { details: { field: 'count' } });
+    // The descriptor's lengths and byte length are the engine's to check requests against; the
+    // serving side trusts neither: every range is bounded by the grant's own range table.
+    return Object.freeze({ kind: 'host' as const, tableName, record, generation, token, count, length, rangeLengths: Float64Array.from(rangeLengths) });
+  }
+  if (rangeLengths !== undefined) {
+    throw new InvalidInputError('cuda-ipc payload grants a whole registration, but the descriptor lists granted ranges', { details: { field: 'rangeLengths' } });
   }
   const grantName = r.str8('grant name');
   const p = segmentNameProblem(grantName);
@@ -233,8 +354,10 @@ const LAYOUT_PROBLEM =
     ? undefined
     : `@tensorwire/cuda-ipc was built for another range layout than this @tensorwire/core's (RANGE_STRIDE ${RANGE_STRIDE})`;
 
-/** Numbers per remote in {@link HostPlan.remotes}: segment index, grant index, base, limit. */
-const REMOTE_STRIDE = 4;
+/** Numbers per remote in {@link HostPlan.remotes}: grant index, first span, span count. */
+const REMOTE_STRIDE = 3;
+/** Numbers per span in {@link HostPlan.spans}: segment index, base, limit. */
+const SPAN_STRIDE = 3;
 /**
  * Copies of one pool slot's ranges (in one batch) that overlapped the owner's write and were
  * retried, at most, before the batch is refused as `slot-rewritten`. Bounded in time as well:
@@ -254,17 +377,21 @@ interface HostPlan {
   readonly op: 0 | 1;
   /** The local buffers, by the batch's local index. */
   readonly locals: Uint8Array[];
-  /** Per batch remote: segment index, grant index, offset of the granted bytes in the segment mapping, bytes granted. */
+  /** Per batch remote: grant index, first span, span count (1 for a registration, its ranges for a range grant). */
   readonly remotes: Float64Array;
+  /** Per granted range of the batch's remotes: segment index, offset of its bytes in the segment mapping, its bytes. */
+  readonly spans: Float64Array;
   /** Distinct data segments (mappings) and their names. */
   readonly segments: ArrayBuffer[];
   readonly segmentNames: string[];
   /** Per segment: 1 when it is a seqlocked pool slot. */
   readonly segmentFlags: Uint8Array;
   readonly seqlocked: boolean;
-  /** Distinct grants (mapping + token) and their names. */
+  /** Distinct grants (grant segment or grant table mapping + token) and their names. */
   readonly grants: ArrayBuffer[];
   readonly grantNames: string[];
+  /** Per grant: byte offset of its record in the grant table (0: a grant segment), generation. */
+  readonly grantInfo: Float64Array;
   /** 16 bytes per grant. */
   readonly tokens: Uint8Array;
   /** Filled by each copy: the generation each seqlocked segment was copied at. */
@@ -287,6 +414,17 @@ interface ResolvedRemote {
   readonly seqlocked: boolean;
 }
 
+/** A decoded range grant as one connection resolved it: its record and range table, read once. */
+interface ResolvedRanges {
+  readonly table: TableView;
+  /** Byte offset of the record in the table mapping. */
+  readonly recordOffset: number;
+  /** Per granted range: index into `segments`, offset of its bytes in the segment mapping, its bytes. */
+  readonly spans: Float64Array;
+  readonly segments: readonly DirSegment[];
+  readonly mappings: readonly ArrayBuffer[];
+}
+
 function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
   if (a.byteLength !== b.byteLength) return false;
   for (let i = 0; i < a.byteLength; i++) if (a[i] !== b[i]) return false;
@@ -297,6 +435,20 @@ function isRemoteGrant(r: unknown): r is RemoteGrant {
   if (typeof r !== 'object' || r === null) return false;
   const g = r as Partial<RemoteGrant>;
   return (g.kind === 'host' || g.kind === 'cuda') && typeof g.grantName === 'string' && g.token instanceof Uint8Array && g.token.byteLength === TOKEN_BYTES && Number.isSafeInteger(g.length);
+}
+
+function isRemoteRangeGrant(r: unknown): r is RemoteRangeGrant {
+  if (typeof r !== 'object' || r === null) return false;
+  const g = r as Partial<RemoteRangeGrant>;
+  return (
+    g.kind === 'host' &&
+    typeof g.tableName === 'string' &&
+    Number.isSafeInteger(g.record) &&
+    Number.isSafeInteger(g.generation) &&
+    g.token instanceof Uint8Array &&
+    g.token.byteLength === TOKEN_BYTES &&
+    Number.isSafeInteger(g.count)
+  );
 }
 
 /** The request of the first range that uses table entry `index` of `field` (Local or Remote). */
@@ -354,6 +506,8 @@ class CudaIpcConnection implements TransportConnection {
   // Per-connection state (invariant 2): the peer's grants, data mappings and imports.
   readonly #grants = new Map<string, GrantTarget>();
   readonly #data = new Map<string, ArrayBuffer>();
+  /** The peer's grant tables, mapped and validated once. */
+  readonly #tables = new Map<string, TableView>();
   /** One import per grant; the promise is cached so concurrent chunks share it. */
   readonly #imports = new Map<string, Promise<{ device: number; base: bigint }>>();
   readonly #closeListeners: ((error: TensorwireError | undefined) => void)[] = [];
@@ -363,6 +517,8 @@ class CudaIpcConnection implements TransportConnection {
   readonly #plans = new WeakMap<TransferBatch, HostPlan | null>();
   /** Per decoded remote: its grant and data segment on this connection. */
   readonly #resolved = new WeakMap<RemoteGrant, ResolvedRemote>();
+  /** Per decoded range grant: its record and range table on this connection. */
+  readonly #rangesResolved = new WeakMap<RemoteRangeGrant, ResolvedRanges>();
   /** When the peer's pid was last confirmed to be the same process (Date.now()). */
   #aliveCheckedAt = 0;
   #retiring = false;
@@ -495,50 +651,110 @@ class CudaIpcConnection implements TransportConnection {
       else throw new InvalidInputError('a local handle of the batch is not a cuda-ipc registration', { details: { field: 'local' } });
     }
     const nRemotes = batch.remotes.length;
+    // Pass 1: every remote resolved (and checked), also when the batch has CUDA memory: a bad
+    // remote fails the same way on both paths.
+    const resolved: (ResolvedRemote | ResolvedRanges)[] = [];
+    let spanCount = 0;
+    let ranged = -1;
+    for (let i = 0; i < nRemotes; i++) {
+      const remote = batch.remotes[i];
+      if (isRemoteRangeGrant(remote)) {
+        const r = this.#resolveRanges(batch, remote, i);
+        resolved.push(r);
+        spanCount += r.spans.length / SPAN_STRIDE;
+        if (ranged < 0) ranged = i;
+      } else {
+        const r = this.#resolve(batch, remote, i);
+        if (r.data === undefined) cuda = true;
+        resolved.push(r);
+        spanCount += 1;
+      }
+    }
+    if (cuda) {
+      if (ranged >= 0) {
+        throw new InvalidInputError('cuda-ipc serves range grants between host memory only: this batch has CUDA memory', {
+          details: { field: 'remote', request: firstRequest(batch, RangeField.Remote, ranged) },
+        });
+      }
+      this.#plans.set(batch, null);
+      return null;
+    }
+    // Pass 2: the tables of the native call. Segments are distinct by name (one seqlock
+    // snapshot per slot per batch, whichever remotes reach it), grants by what is entered.
     const remotes = new Float64Array(nRemotes * REMOTE_STRIDE);
+    const spans = new Float64Array(spanCount * SPAN_STRIDE);
     const segments: ArrayBuffer[] = [];
     const segmentNames: string[] = [];
     const flags: number[] = [];
     const grants: ArrayBuffer[] = [];
     const grantNames: string[] = [];
+    const grantInfo: number[] = [];
     const tokens: Uint8Array[] = [];
     const segmentIndex = new Map<string, number>();
-    /** Per grant: the table entries made for it, one per distinct token. */
-    const grantIndex = new Map<GrantTarget, number[]>();
-    for (let i = 0; i < nRemotes; i++) {
-      const remote = batch.remotes[i];
-      // Resolved (and checked) even when the batch has CUDA memory: a bad remote fails the same way on both paths.
-      const r = this.#resolve(batch, remote, i);
-      if (r.data === undefined) cuda = true;
-      if (cuda) continue;
-      const name = r.g.dataName as string;
-      let s = segmentIndex.get(name);
-      if (s === undefined) {
-        s = segments.push(r.data as ArrayBuffer) - 1;
+    const segment = (name: string, mapping: ArrayBuffer, seqlocked: boolean): number => {
+      let x = segmentIndex.get(name);
+      if (x === undefined) {
+        x = segments.push(mapping) - 1;
         segmentNames.push(name);
         flags.push(0);
-        segmentIndex.set(name, s);
+        segmentIndex.set(name, x);
       }
-      if (r.seqlocked) flags[s] = 1;
+      if (seqlocked) flags[x] = 1;
+      return x;
+    };
+    /** Per grant segment: the table entries made for it, one per distinct token. */
+    const grantIndex = new Map<GrantTarget, number[]>();
+    /** Range grants by table, record, generation and token. */
+    const recordIndex = new Map<string, number>();
+    let sp = 0;
+    for (let i = 0; i < nRemotes; i++) {
+      const remote = batch.remotes[i];
+      const r = resolved[i] as ResolvedRemote | ResolvedRanges;
+      let k: number | undefined;
+      if ('spans' in r) {
+        const rg = remote as RemoteRangeGrant;
+        const key = `${rg.tableName}#${rg.record}#${rg.generation}#${Buffer.from(rg.token.buffer, rg.token.byteOffset, TOKEN_BYTES).toString('hex')}`;
+        k = recordIndex.get(key);
+        if (k === undefined) {
+          k = grants.push(r.table.mapping) - 1;
+          grantNames.push(`${rg.tableName}#${rg.record}`);
+          grantInfo.push(r.recordOffset, rg.generation);
+          tokens.push(rg.token);
+          recordIndex.set(key, k);
+        }
+        const map = r.segments.map((seg, x) => segment(seg.name, r.mappings[x] as ArrayBuffer, seg.seqlocked));
+        const n = r.spans.length / SPAN_STRIDE;
+        remotes[i * REMOTE_STRIDE] = k;
+        remotes[i * REMOTE_STRIDE + 1] = sp;
+        remotes[i * REMOTE_STRIDE + 2] = n;
+        const src = r.spans;
+        for (let q = 0; q < n; q++, sp++) {
+          spans[sp * SPAN_STRIDE] = map[src[q * SPAN_STRIDE] as number] as number;
+          spans[sp * SPAN_STRIDE + 1] = src[q * SPAN_STRIDE + 1] as number;
+          spans[sp * SPAN_STRIDE + 2] = src[q * SPAN_STRIDE + 2] as number;
+        }
+        continue;
+      }
+      const s = segment(r.g.dataName as string, r.data as ArrayBuffer, r.seqlocked);
       const token = (remote as RemoteGrant).token;
       // One entry per grant and token (the same grant under a wrong token must still fail).
       let entries = grantIndex.get(r.g);
       if (!entries) grantIndex.set(r.g, (entries = []));
-      let k = entries.find((j) => sameBytes(tokens[j] as Uint8Array, token));
+      k = entries.find((j) => sameBytes(tokens[j] as Uint8Array, token));
       if (k === undefined) {
         k = grants.push(r.g.mapping) - 1;
         grantNames.push((remote as RemoteGrant).grantName);
+        grantInfo.push(0, 0);
         tokens.push(token);
         entries.push(k);
       }
-      remotes[i * REMOTE_STRIDE] = s;
-      remotes[i * REMOTE_STRIDE + 1] = k;
-      remotes[i * REMOTE_STRIDE + 2] = r.g.offset;
-      remotes[i * REMOTE_STRIDE + 3] = (remote as RemoteGrant).length;
-    }
-    if (cuda) {
-      this.#plans.set(batch, null);
-      return null;
+      remotes[i * REMOTE_STRIDE] = k;
+      remotes[i * REMOTE_STRIDE + 1] = sp;
+      remotes[i * REMOTE_STRIDE + 2] = 1;
+      spans[sp * SPAN_STRIDE] = s;
+      spans[sp * SPAN_STRIDE + 1] = r.g.offset;
+      spans[sp * SPAN_STRIDE + 2] = (remote as RemoteGrant).length;
+      sp++;
     }
     const tokenBytes = new Uint8Array(tokens.length * TOKEN_BYTES);
     for (let j = 0; j < tokens.length; j++) tokenBytes.set(tokens[j] as Uint8Array, j * TOKEN_BYTES);
@@ -546,17 +762,44 @@ class CudaIpcConnection implements TransportConnection {
       op: op === 'read' ? 0 : 1,
       locals,
       remotes,
+      spans,
       segments,
       segmentNames,
       segmentFlags: Uint8Array.from(flags),
       seqlocked: flags.includes(1),
       grants,
       grantNames,
+      grantInfo: Float64Array.from(grantInfo),
       tokens: tokenBytes,
       generations: new BigUint64Array(segments.length),
     };
     this.#plans.set(batch, plan);
     return plan;
+  }
+
+  /**
+   * A range grant of the batch (`index` in `batch.remotes`): its table mapped and validated
+   * (once per connection), its range table read while entered (once per decoded remote on this
+   * connection) and every range checked against the data segment it lies in. Later batches
+   * re-enter the record natively, so a revoked or reused record is refused even though its
+   * range table was cached here.
+   */
+  #resolveRanges(batch: TransferBatch, remote: RemoteRangeGrant, index: number): ResolvedRanges {
+    let r = this.#rangesResolved.get(remote);
+    if (r) return r;
+    try {
+      let t = this.#tables.get(remote.tableName);
+      if (!t) {
+        t = openTableView(remote.tableName, this.peer.nodeId, this.#peerPid);
+        this.#tables.set(remote.tableName, t);
+      }
+      const read = readRangeTable(t, remote.record, remote.generation, remote.token, remote.count, (name) => this.#mapData(name));
+      r = { table: t, recordOffset: HEADER_SIZE + remote.record * RECORD_BYTES, ...read };
+    } catch (e) {
+      throw withRequest(e, firstRequest(batch, RangeField.Remote, index));
+    }
+    this.#rangesResolved.set(remote, r);
+    return r;
   }
 
   /**
@@ -599,9 +842,11 @@ class CudaIpcConnection implements TransportConnection {
         RANGE_STRIDE,
         plan.locals,
         plan.remotes,
+        plan.spans,
         plan.segments,
         plan.segmentFlags,
         plan.grants,
+        plan.grantInfo,
         plan.tokens,
         options.deadline,
         SLOT_ATTEMPTS,
@@ -816,17 +1061,28 @@ class CudaIpcConnection implements TransportConnection {
     return t;
   }
 
-  /** The data segment of a host grant, mapped once per connection; `index` is the batch's remote. */
-  #dataMapping(g: GrantTarget, batch: TransferBatch, index: number): ArrayBuffer {
-    const name = g.dataName as string;
+  /** A data segment of the peer, mapped once per connection (RemoteRejectedError `gone`). */
+  #mapData(name: string): ArrayBuffer {
     let m = this.#data.get(name);
     if (!m) {
       try {
         m = native.shmOpen(name, MAX_SEGMENT_BYTES);
       } catch (e) {
-        throw new RemoteRejectedError(`granted segment ${name} is gone`, { cause: e, details: { remoteCode: 'gone', request: firstRequest(batch, RangeField.Remote, index) } });
+        throw new RemoteRejectedError(`granted segment ${name} is gone`, { cause: e, details: { remoteCode: 'gone' } });
       }
       this.#data.set(name, m);
+    }
+    return m;
+  }
+
+  /** The data segment of a host grant, mapped once per connection; `index` is the batch's remote. */
+  #dataMapping(g: GrantTarget, batch: TransferBatch, index: number): ArrayBuffer {
+    const name = g.dataName as string;
+    let m: ArrayBuffer;
+    try {
+      m = this.#mapData(name);
+    } catch (e) {
+      throw withRequest(e, firstRequest(batch, RangeField.Remote, index));
     }
     // Sizes from fstat (the mapping length), never from the grant alone.
     if (g.offset + g.length > m.byteLength) {
@@ -873,6 +1129,7 @@ class CudaIpcConnection implements TransportConnection {
       this.#imports.clear();
       this.#grants.clear();
       this.#data.clear();
+      this.#tables.clear();
       await Promise.allSettled(imports.map((r) => (r.status === 'fulfilled' ? native.cudaCloseImport(r.value.device, r.value.base) : undefined)));
       this.#owner.forget(this);
       for (const l of this.#closeListeners.splice(0)) {
@@ -901,6 +1158,13 @@ export class CudaIpcTransport implements Transport {
   readonly #pending = new Set<Socket>();
   readonly #grants = new Set<Grant>();
   readonly #connections = new Set<CudaIpcConnection>();
+  /** Grant tables (range grants), in creation order, and the first one's geometry. */
+  readonly #tables: GrantTable[] = [];
+  readonly #tableGeometry: TableGeometry;
+  readonly #maxTables: number;
+  /** Live range grants (not yet revoked), and revocations still draining. */
+  readonly #rangeGrants = new Set<RangeGrant>();
+  readonly #draining = new Set<Promise<void>>();
   #closed: Promise<void> | undefined;
 
   constructor(options: CudaIpcTransportOptions = {}) {
@@ -912,6 +1176,13 @@ export class CudaIpcTransport implements Transport {
     if (!Number.isSafeInteger(maxChunk) || maxChunk < 1) throw new InvalidInputError('maxChunkBytes must be a positive integer', { details: { field: 'maxChunkBytes' } });
     this.#revokeTimeoutMs = options.revokeTimeoutMs ?? 10_000;
     this.#logger = options.logger ?? silentLogger;
+    const gt = options.grantTable ?? {};
+    this.#tableGeometry = { records: gt.records ?? 4096, dir: gt.segments ?? 4096, arena: gt.rangeBytes ?? 4 * 2 ** 20 };
+    checkGeometry(this.#tableGeometry, 'grantTable');
+    this.#maxTables = gt.maxTables ?? 8;
+    if (!Number.isSafeInteger(this.#maxTables) || this.#maxTables < 1 || this.#maxTables > 64) {
+      throw new InvalidInputError('grantTable.maxTables must be an integer from 1 to 64', { details: { field: 'grantTable.maxTables' } });
+    }
     this.capabilities = Object.freeze({
       local: true,
       remote: false,
@@ -921,7 +1192,10 @@ export class CudaIpcTransport implements Transport {
       cpuBypass: true,
       scopedGrants: true,
       rank: 50,
-      maxStreams: 4,
+      // Host batches are one synchronous native copy each: several streams run one after the
+      // other (no parallelism) and would split a transfer's ranges of a slot into several
+      // seqlock snapshots. One stream, one batch per transfer post.
+      maxStreams: 1,
       maxChunkBytes: maxChunk,
     });
   }
@@ -1050,12 +1324,14 @@ export class CudaIpcTransport implements Transport {
       if (!(memory.buffer instanceof Uint8Array) || memory.buffer.byteLength === 0) throw new InvalidInputError('host memory needs a non-empty Uint8Array');
       const r = regionOf(memory.buffer);
       if (!r) {
-        return { handle: new HostHandle(memory.buffer, undefined), payload: encodePayload('host', undefined, memory.buffer.byteLength) };
+        return { handle: new HostHandle(memory.buffer, undefined, undefined, 0), payload: encodePayload('host', undefined, memory.buffer.byteLength) };
       }
       const token = new Uint8Array(randomBytes(TOKEN_BYTES));
       const flags = r.region.seqlocked ? FLAG_SEQLOCKED : 0;
-      const grant = this.#createGrant(id, 'host', r.region.dataOffset + r.offset, memory.buffer.byteLength, r.region.name, token, -1, undefined, 0, flags);
-      return { handle: new HostHandle(memory.buffer, grant), payload: encodePayload('host', { name: grant.name, token }, memory.buffer.byteLength) };
+      const base = r.region.dataOffset + r.offset;
+      const grant = this.#createGrant(id, 'host', base, memory.buffer.byteLength, r.region.name, token, -1, undefined, 0, flags);
+      const segment: GrantedSegment = { name: r.region.name, dataBytes: r.region.dataBytes, seqlocked: r.region.seqlocked === true };
+      return { handle: new HostHandle(memory.buffer, grant, segment, base), payload: encodePayload('host', { name: grant.name, token }, memory.buffer.byteLength) };
     }
     if (memory.kind === 'cuda') {
       if (!this.capabilities.memoryKinds.includes('cuda')) {
@@ -1121,9 +1397,191 @@ export class CudaIpcTransport implements Transport {
     if (!(handle instanceof HostHandle || handle instanceof CudaHandle)) {
       return Promise.reject(new InvalidInputError('not a cuda-ipc registration handle'));
     }
+    if (handle instanceof CudaHandle) return this.#revokeGrant(handle.grant);
+    if (!handle.revoked) {
+      handle.revoked = true;
+      // Range grants over it go first (the engine revokes them before, a direct caller may not):
+      // nothing may reach the memory through them afterwards.
+      const dependents: Promise<void>[] = [];
+      for (const g of this.#rangeGrants) if (g.handles.includes(handle)) dependents.push(this.revokeGrant(g));
+      handle.revokedRanges = Promise.all(dependents).then(() => {
+        for (const t of handle.tables ?? []) t.detach(handle.segment as GrantedSegment);
+        handle.tables = undefined;
+        handle.dirs = undefined;
+      });
+    }
     const grant = handle.grant;
-    if (!grant) return Promise.resolve();
-    return this.#revokeGrant(grant);
+    return grant ? Promise.all([handle.revokedRanges, this.#revokeGrant(grant)]).then(() => undefined) : (handle.revokedRanges as Promise<void>);
+  }
+
+  /**
+   * Grant peers access to `ranges` of host registrations of this transport that lie in shared
+   * memory (pool slots, allocateSharedMemory): one record in a grant table, its range table in
+   * the table's arena, no segment per grant. Payload: table name, record, generation, token.
+   * CUDA registrations and local-only host memory are refused (InvalidInputError); full tables
+   * beyond `grantTable.maxTables` give ResourceExhaustedError.
+   */
+  grant(spec: GrantRanges): TransportRegistration {
+    this.#assertOpen();
+    const id = this.#identity();
+    const { handles, count, ranges } = spec;
+    if (!Number.isSafeInteger(count) || count < 1 || !(ranges instanceof Float64Array) || ranges.length < count * GRANT_STRIDE || !Array.isArray(handles)) {
+      throw new InvalidInputError('grant: ranges are malformed', { details: { field: 'ranges' } });
+    }
+    const n = handles.length;
+    const hs: HostHandle[] = new Array<HostHandle>(n);
+    for (let j = 0; j < n; j++) {
+      const h: unknown = handles[j];
+      if (h instanceof CudaHandle) {
+        throw new InvalidInputError('cuda-ipc range grants cover host shared memory only; CUDA memory is granted per registration (register it)', {
+          details: { field: 'registration', registration: j },
+        });
+      }
+      if (!(h instanceof HostHandle)) throw new InvalidInputError(`grant: handle ${j} is not a cuda-ipc registration`, { details: { field: 'registration', registration: j } });
+      if (h.revoked) throw new InvalidInputError(`grant: registration ${j} was revoked`, { details: { field: 'registration', registration: j } });
+      if (!h.segment) {
+        throw new InvalidInputError(`grant: registration ${j} is for local use only (not in shared memory: allocate it with allocateSharedMemory() or use a pool slot)`, {
+          details: { field: 'registration', registration: j },
+        });
+      }
+      hs[j] = h;
+    }
+    // Every range checked before anything is allocated (the engine did too; this is our own bound).
+    let bytes = 0;
+    for (let k = 0; k < count; k++) {
+      const at = k * GRANT_STRIDE;
+      const j = ranges[at + GrantField.Handle] as number;
+      const off = ranges[at + GrantField.Offset] as number;
+      const len = ranges[at + GrantField.Length] as number;
+      const h = Number.isInteger(j) && j >= 0 ? hs[j] : undefined;
+      if (!h || !Number.isSafeInteger(off) || off < 0 || !Number.isSafeInteger(len) || len < 1 || off + len > h.buffer.byteLength) {
+        throw new InvalidInputError(`grant: range ${k} (${off}+${len} of registration ${j}) is empty or outside its registration`, { details: { field: 'ranges', range: k } });
+      }
+      bytes += len;
+    }
+    const { table, arenaOffset, record, generation } = this.#reserve(id.nodeId, count * RANGE_BYTES, hs);
+    // Directory references: once per registration and table (released when it is revoked);
+    // a registration remembers its index, so later grants over it look up nothing by name.
+    const dirOf = new Uint32Array(n);
+    try {
+      for (let j = 0; j < n; j++) {
+        const h = hs[j] as HostHandle;
+        const ti = h.tables === undefined ? -1 : h.tables.indexOf(table);
+        if (ti >= 0) dirOf[j] = (h.dirs as number[])[ti] as number;
+        else {
+          const d = table.attach(h.segment as GrantedSegment);
+          (h.tables ??= []).push(table);
+          (h.dirs ??= []).push(d);
+          dirOf[j] = d;
+        }
+      }
+    } catch (e) {
+      // Nothing was published: the record and its range table go back (references taken stay with their registrations).
+      table.untakeRecord(record);
+      table.arena.free(arenaOffset, count * RANGE_BYTES);
+      throw e;
+    }
+    // The range table: directory index, offset in the segment mapping, length (24 bytes each).
+    const u32 = table.u32;
+    let w = (table.arenaAt + arenaOffset) / 4;
+    for (let k = 0; k < count; k++, w += 6) {
+      const at = k * GRANT_STRIDE;
+      const j = ranges[at + GrantField.Handle] as number;
+      const abs = (hs[j] as HostHandle).base + (ranges[at + GrantField.Offset] as number);
+      const len = ranges[at + GrantField.Length] as number;
+      u32[w] = dirOf[j] as number;
+      u32[w + 1] = 0;
+      u32[w + 2] = abs % TWO32;
+      u32[w + 3] = Math.floor(abs / TWO32);
+      u32[w + 4] = len % TWO32;
+      u32[w + 5] = Math.floor(len / TWO32);
+    }
+    const token = new Uint8Array(TOKEN_BYTES);
+    freshToken(token, 0);
+    table.writeRecord(record, token, arenaOffset, count);
+    native.recordPublish(table.mapping, table.recordOffset(record), generation);
+    const g = new RangeGrant(this, table, record, generation, arenaOffset, count * RANGE_BYTES, hs);
+    this.#rangeGrants.add(g);
+    return { handle: g, payload: encodeRangePayload(table.name, record, generation, token, count, bytes) };
+  }
+
+  /** A record and `bytes` of arena in a table with directory room for the segments of `hs`; a new table when none fits. */
+  #reserve(nodeId: string, bytes: number, hs: readonly HostHandle[]): { table: GrantTable; arenaOffset: number; record: number; generation: number } {
+    const take = (t: GrantTable): { table: GrantTable; arenaOffset: number; record: number; generation: number } | undefined => {
+      if (t.freeRecords === 0 || t.missing(hs) > t.freeDir) return undefined;
+      const arenaOffset = t.arena.alloc(bytes);
+      if (arenaOffset === undefined) return undefined;
+      const rec = t.takeRecord() as { index: number; generation: number };
+      return { table: t, arenaOffset, record: rec.index, generation: rec.generation };
+    };
+    // Newest first: older tables drain as their grants are revoked.
+    for (let i = this.#tables.length - 1; i >= 0; i--) {
+      const got = take(this.#tables[i] as GrantTable);
+      if (got) return got;
+    }
+    if (this.#tables.length >= this.#maxTables) {
+      throw new ResourceExhaustedError(`cuda-ipc: all ${this.#maxTables} grant tables are full (revoke grants, or raise grantTable limits)`, { details: { field: 'grantTable' } });
+    }
+    const segments = new Set(hs.map((h) => (h.segment as GrantedSegment).name)).size;
+    const geometry = grownGeometry(this.#tableGeometry, this.#tables.length, { records: 1, dir: segments, arena: bytes });
+    if (geometry.dir < segments || geometry.arena < bytes) {
+      throw new InvalidInputError(`cuda-ipc: a grant over ${segments} segments and ${bytes / RANGE_BYTES} ranges does not fit the largest grant table`, { details: { field: 'ranges' } });
+    }
+    const t = GrantTable.create(nodeId, geometry);
+    this.#tables.push(t);
+    return take(t) as { table: GrantTable; arenaOffset: number; record: number; generation: number };
+  }
+
+  /**
+   * Revoke a range grant: O(1). Mark the record revoked, zero its token and bump its
+   * generation (one native call: from now on every peer batch is refused), then wait (bounded
+   * by `revokeTimeoutMs`) for the batches already inside to leave, then free the record and its
+   * range table for reuse. A record whose drain timed out is retired, never reused. Idempotent.
+   */
+  revokeGrant(handle: object): Promise<void> {
+    if (!(handle instanceof RangeGrant) || handle.owner !== this) return Promise.reject(new InvalidInputError('not a cuda-ipc range grant of this transport'));
+    return (handle.revoked ??= this.#revokeRange(handle));
+  }
+
+  #revokeRange(g: RangeGrant): Promise<void> {
+    const t = g.table;
+    const off = t.recordOffset(g.record);
+    this.#rangeGrants.delete(g);
+    const active = native.recordRevoke(t.mapping, off, g.generation + 1);
+    if (active === 0) {
+      this.#freeRange(g);
+      return Promise.resolve();
+    }
+    const p = (async () => {
+      const until = Date.now() + this.#revokeTimeoutMs;
+      let delay = 1;
+      while (native.recordActive(t.mapping, off) > 0 && Date.now() < until) {
+        await new Promise((r) => setTimeout(r, delay));
+        delay = Math.min(delay * 2, 20);
+      }
+      if (native.recordActive(t.mapping, off) > 0) {
+        this.#logger.warn('cuda-ipc: a peer batch was still inside a range grant when revoke timed out; its record is retired', { table: t.name, record: g.record });
+        t.retireRecord();
+        t.arena.free(g.arenaOffset, g.arenaBytes);
+        return;
+      }
+      this.#freeRange(g);
+    })();
+    this.#draining.add(p);
+    void p.finally(() => this.#draining.delete(p));
+    return p;
+  }
+
+  #freeRange(g: RangeGrant): void {
+    const t = g.table;
+    native.recordFree(t.mapping, t.recordOffset(g.record));
+    t.freeRecord(g.record, g.generation + 1);
+    t.arena.free(g.arenaOffset, g.arenaBytes);
+  }
+
+  /** Grant tables of this transport (diagnostics and tests): name, geometry, live grants, free records. */
+  grantTables(): { name: string; geometry: TableGeometry; live: number; freeRecords: number; freeRangeBytes: number }[] {
+    return this.#tables.map((t) => ({ name: t.name, geometry: t.geometry, live: t.live, freeRecords: t.freeRecords, freeRangeBytes: t.arena.freeBytes }));
   }
 
   /** Mark dead, zero the token, wait (bounded) for peer copies in flight to leave, unlink. Idempotent. */
@@ -1150,16 +1608,17 @@ export class CudaIpcTransport implements Transport {
    * engine hands the same payload of a descriptor it decoded once on every transfer, and a
    * payload whose bytes changed is decoded again.
    */
-  readonly #decoded = new WeakMap<Uint8Array, { readonly bytes: Uint8Array; readonly kind: MemoryKind; readonly length: number; readonly remote: RemoteGrant }>();
+  readonly #decoded = new WeakMap<
+    Uint8Array,
+    { readonly bytes: Uint8Array; readonly kind: MemoryKind; readonly length: number; readonly lengths: Float64Array | undefined; readonly remote: RemoteGrant | RemoteRangeGrant }
+  >();
 
   decodeRemote(payload: Uint8Array, memoryKind: MemoryKind, byteLength: number, rangeLengths?: Float64Array): unknown {
-    if (rangeLengths !== undefined) {
-      throw new InvalidInputError('cuda-ipc grants whole registrations: a descriptor with granted ranges is not one of its payloads', { details: { field: 'rangeLengths' } });
-    }
     const c = payload instanceof Uint8Array ? this.#decoded.get(payload) : undefined;
-    if (c && c.kind === memoryKind && c.length === byteLength && sameBytes(c.bytes, payload)) return c.remote;
-    const remote = decodePayload(payload, memoryKind, byteLength);
-    this.#decoded.set(payload, { bytes: payload.slice(), kind: memoryKind, length: byteLength, remote });
+    // The same range lengths object (the engine's decoded descriptor): it is the one decoded.
+    if (c && c.kind === memoryKind && c.length === byteLength && c.lengths === rangeLengths && sameBytes(c.bytes, payload)) return c.remote;
+    const remote = decodePayload(payload, memoryKind, byteLength, rangeLengths);
+    this.#decoded.set(payload, { bytes: payload.slice(), kind: memoryKind, length: byteLength, lengths: rangeLengths, remote });
     return remote;
   }
 
@@ -1244,6 +1703,14 @@ export class CudaIpcTransport implements Transport {
       }
       // Same drain as revoke(): a peer's copy in flight finishes before the grant goes
       // (the registered memory may be reused the moment close() resolves, invariant 6).
+      await Promise.allSettled([...[...this.#rangeGrants].map((g) => this.revokeGrant(g)), ...this.#draining]);
+      for (const t of this.#tables.splice(0)) {
+        try {
+          t.close();
+        } catch (e) {
+          this.#logger.warn('cuda-ipc: closing a grant table failed', { table: t.name, error: String(e) });
+        }
+      }
       await Promise.allSettled([...this.#grants].map((g) => this.#revokeGrant(g)));
     })();
     return this.#closed;

@@ -259,25 +259,44 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
   const GUARD = 256;
   const LOCALS = [100, 4096, 1];
 
-  /** What the addon must decide, computed independently: does the whole call validate? */
-  function oracle(op: 0 | 1, ranges: Float64Array, count: number, localLens: readonly number[], remotes: Float64Array, segLens: readonly number[], seq: readonly number[], nGrants: number): boolean {
+  /**
+   * What the addon must decide, computed independently: does the whole call validate? Remotes
+   * are (grant, first span, span count); spans (segment, base, limit); a range's span is
+   * `first + remoteRange` of its remote, and only spans that ranges use are checked.
+   */
+  function oracle(
+    op: 0 | 1,
+    ranges: Float64Array,
+    count: number,
+    localLens: readonly number[],
+    remotes: Float64Array,
+    spans: Float64Array,
+    segLens: readonly number[],
+    seq: readonly number[],
+    nGrants: number,
+  ): boolean {
     const safe = (d: number): boolean => Number.isSafeInteger(d) && d >= 0;
-    if (remotes.length % 4 !== 0 || count * S > ranges.length) return false;
-    const nRemotes = remotes.length / 4;
+    if (remotes.length % 3 !== 0 || spans.length % 3 !== 0 || count * S > ranges.length) return false;
+    const nRemotes = remotes.length / 3;
+    const nSpans = spans.length / 3;
     for (let r = 0; r < nRemotes; r++) {
-      const [s, g, base, limit] = Array.from(remotes.subarray(r * 4, r * 4 + 4));
-      if (![s, g, base, limit].every((v) => safe(v as number))) return false;
-      if ((s as number) >= segLens.length || (g as number) >= nGrants) return false;
-      if ((base as number) < DATA_OFFSET || (base as number) + (limit as number) > (segLens[s as number] as number)) return false;
+      const [g, first, n] = Array.from(remotes.subarray(r * 3, r * 3 + 3)) as number[];
+      if (![g, first, n].every((v) => safe(v as number))) return false;
+      if ((g as number) >= nGrants || n === 0 || (first as number) + (n as number) > nSpans) return false;
     }
     for (let i = 0; i < count; i++) {
       const f = Array.from(ranges.subarray(i * S, i * S + S));
       if (!f.every((v) => safe(v))) return false;
       const [, li, lo, ri, ro, len, rr] = f as number[];
-      if ((li as number) >= localLens.length || (ri as number) >= nRemotes || len === 0 || rr !== 0) return false;
+      if ((li as number) >= localLens.length || (ri as number) >= nRemotes || len === 0) return false;
+      if ((rr as number) >= (remotes[(ri as number) * 3 + 2] as number)) return false;
       if ((lo as number) + (len as number) > (localLens[li as number] as number)) return false;
-      if ((ro as number) + (len as number) > (remotes[(ri as number) * 4 + 3] as number)) return false;
-      if (op === 1 && seq[remotes[(ri as number) * 4] as number] === 1) return false;
+      const sp = (remotes[(ri as number) * 3 + 1] as number) + (rr as number);
+      const [sg, base, limit] = Array.from(spans.subarray(sp * 3, sp * 3 + 3)) as number[];
+      if (![sg, base, limit].every((v) => safe(v as number)) || (sg as number) >= segLens.length) return false;
+      if ((base as number) < DATA_OFFSET || (base as number) + (limit as number) > (segLens[sg as number] as number)) return false;
+      if ((ro as number) + (len as number) > (limit as number)) return false;
+      if (op === 1 && seq[sg as number] === 1) return false;
     }
     return true;
   }
@@ -308,25 +327,37 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
     fc.assert(
       fc.property(
         fc.constantFrom<0 | 1>(0, 1),
-        fc.array(fc.tuple(value(3), value(1), value(60), value(1), value(SLOT / 2), value(0, fc.integer({ min: 1, max: 32 })), fc.oneof({ weight: 20, arbitrary: fc.constant(0) }, { weight: 1, arbitrary: value(2) })), { maxLength: 6 }),
+        fc.array(
+          fc.tuple(value(3), value(1), value(60), value(1), value(SLOT / 2), value(0, fc.integer({ min: 1, max: 32 })), fc.oneof({ weight: 10, arbitrary: fc.constant(0) }, { weight: 3, arbitrary: fc.constant(1) }, { weight: 1, arbitrary: value(2) })),
+          { maxLength: 6 },
+        ),
         fc.integer({ min: -1, max: 2 }),
-        fc.array(fc.tuple(value(1), value(0), value(0, fc.integer({ min: DATA_OFFSET, max: DATA_OFFSET + 64 })), value(0, fc.integer({ min: SLOT / 2, max: SLOT }))), { minLength: 2, maxLength: 3 }),
+        fc.array(fc.tuple(value(0), value(1), value(0, fc.integer({ min: 1, max: 2 }))), { minLength: 2, maxLength: 3 }),
+        fc.array(
+          fc.tuple(
+            value(1, fc.oneof({ weight: 3, arbitrary: fc.constant(0) }, { weight: 1, arbitrary: fc.constant(1) })),
+            value(0, fc.integer({ min: DATA_OFFSET, max: DATA_OFFSET + 64 })),
+            value(0, fc.integer({ min: SLOT / 2, max: SLOT })),
+          ),
+          { minLength: 3, maxLength: 4 },
+        ),
         fc.constantFrom<number[]>([0, 1], [1, 0], [0, 0], [1, 1], [0], [1]),
-        (op, rs, extra, rems, seq) => {
+        (op, rs, extra, rems, sps, seq) => {
           const ranges = new Float64Array(rs.flat());
           const count = Math.max(0, rs.length + (extra === 2 ? 1 : extra === -1 ? -1 : 0)); // sometimes one more than there is
           const remotes = new Float64Array(rems.flat());
+          const spans = new Float64Array(sps.flat());
           // seq[k] says whether segment k is the slot (seqlocked) or the shared region.
           const segments = seq.map((q) => (q === 1 ? slotMapping : sharedMapping));
           const segLens = segments.map((m) => m.byteLength);
           arena.fill(0xa5);
           let threw: unknown;
           try {
-            native.copyBatch(op, ranges, count, S, locals, remotes, segments, Uint8Array.from(seq), [grant], token, Date.now() + 5000, 100, new BigUint64Array(segments.length));
+            native.copyBatch(op, ranges, count, S, locals, remotes, spans, segments, Uint8Array.from(seq), [grant], new Float64Array(2), token, Date.now() + 5000, 100, new BigUint64Array(segments.length));
           } catch (e) {
             threw = e;
           }
-          const valid = oracle(op, ranges, count, LOCALS, remotes, segLens, seq, 1);
+          const valid = oracle(op, ranges, count, LOCALS, remotes, spans, segLens, seq, 1);
           if (threw !== undefined) expect(threw).toBeInstanceOf(TensorwireError);
           expect(threw === undefined, `valid per oracle: ${valid}; threw: ${String(threw)}`).toBe(valid);
           if (valid && count > 0) copied++;
@@ -360,10 +391,12 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
       1,
       S,
       [new Uint8Array(16)],
-      new Float64Array([0, 0, DATA_OFFSET, SLOT]),
+      new Float64Array([0, 0, 1]),
+      new Float64Array([0, DATA_OFFSET, SLOT]),
       [slotMapping],
       Uint8Array.of(1),
       [grant],
+      new Float64Array(2),
       token,
       0,
       0,
@@ -379,20 +412,29 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
       ['stride fractional', (a) => (a[3] = 7.5)],
       ['locals not an array', (a) => (a[4] = new Uint8Array(16))],
       ['a local that is not a Uint8Array', (a) => (a[4] = [new Uint16Array(8)])],
-      ['remotes not 4 numbers each', (a) => (a[5] = new Float64Array([0, 0, DATA_OFFSET]))],
-      ['a remote over the header', (a) => (a[5] = new Float64Array([0, 0, 0, 64]))],
-      ['a remote past the mapping', (a) => (a[5] = new Float64Array([0, 0, DATA_OFFSET, SLOT + 1]))],
-      ['a remote naming a missing segment', (a) => (a[5] = new Float64Array([1, 0, DATA_OFFSET, SLOT]))],
-      ['a remote naming a missing grant', (a) => (a[5] = new Float64Array([0, 1, DATA_OFFSET, SLOT]))],
-      ['a segment that is not an ArrayBuffer', (a) => (a[6] = [new Uint8Array(slotMapping)])],
-      ['a seqlocked segment that is not a slot', (a) => (a[6] = [new ArrayBuffer(DATA_OFFSET + SLOT)])],
-      ['segment flags of the wrong length', (a) => (a[7] = Uint8Array.of(1, 0))],
-      ['a segment flag of 2', (a) => (a[7] = Uint8Array.of(2))],
-      ['a grant that is not a grant segment', (a) => (a[8] = [new ArrayBuffer(4096)])],
-      ['tokens of the wrong length', (a) => (a[9] = new Uint8Array(15))],
-      ['a wrong token', (a) => (a[9] = new Uint8Array(16))],
-      ['generations too short', (a) => (a[12] = new BigUint64Array(0))],
-      ['generations of the wrong type', (a) => (a[12] = new Float64Array(1))],
+      ['remotes not 3 numbers each', (a) => (a[5] = new Float64Array([0, 0]))],
+      ['a remote naming a missing grant', (a) => (a[5] = new Float64Array([1, 0, 1]))],
+      ['a remote whose spans are not in the span table', (a) => (a[5] = new Float64Array([0, 1, 1]))],
+      ['a remote with no span', (a) => (a[5] = new Float64Array([0, 0, 0]))],
+      ['a remote range past the remote’s spans', (a) => ((a[1] as Float64Array)[6] = 1)],
+      ['spans not 3 numbers each', (a) => (a[6] = new Float64Array([0, DATA_OFFSET]))],
+      ['a span over the header', (a) => (a[6] = new Float64Array([0, 0, 64]))],
+      ['a span past the mapping', (a) => (a[6] = new Float64Array([0, DATA_OFFSET, SLOT + 1]))],
+      ['a span naming a missing segment', (a) => (a[6] = new Float64Array([1, DATA_OFFSET, SLOT]))],
+      ['a NaN span', (a) => (a[6] = new Float64Array([0, Number.NaN, SLOT]))],
+      ['a range past its span (the granted range, not the region)', (a) => (a[6] = new Float64Array([0, DATA_OFFSET + 8, 8]))],
+      ['a segment that is not an ArrayBuffer', (a) => (a[7] = [new Uint8Array(slotMapping)])],
+      ['a seqlocked segment that is not a slot', (a) => (a[7] = [new ArrayBuffer(DATA_OFFSET + SLOT)])],
+      ['segment flags of the wrong length', (a) => (a[8] = Uint8Array.of(1, 0))],
+      ['a segment flag of 2', (a) => (a[8] = Uint8Array.of(2))],
+      ['a grant that is not a grant segment', (a) => (a[9] = [new ArrayBuffer(4096)])],
+      ['grant info of the wrong length', (a) => (a[10] = new Float64Array(1))],
+      ['a record of a grant segment (not a grant table)', (a) => (a[10] = new Float64Array([4096, 1]))],
+      ['a fractional record offset', (a) => (a[10] = new Float64Array([4096.5, 1]))],
+      ['tokens of the wrong length', (a) => (a[11] = new Uint8Array(15))],
+      ['a wrong token', (a) => (a[11] = new Uint8Array(16))],
+      ['generations too short', (a) => (a[14] = new BigUint64Array(0))],
+      ['generations of the wrong type', (a) => (a[14] = new Float64Array(1))],
       ['a write into a seqlocked segment', (a) => (a[0] = 1)],
     ];
     for (const [label, mutate] of bad) {
@@ -414,7 +456,7 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
       },
     });
     const ranges = new Float64Array([0, 0, 0, 0, 0, 4096, 0]);
-    expect(() => native.copyBatch(0, ranges, 1, S, locals, new Float64Array([0, 0, DATA_OFFSET, SLOT]), [slotMapping], Uint8Array.of(1), [grant], token, 0, 0, new BigUint64Array(1))).toThrow(
+    expect(() => native.copyBatch(0, ranges, 1, S, locals, new Float64Array([0, 0, 1]), new Float64Array([0, DATA_OFFSET, SLOT]), [slotMapping], Uint8Array.of(1), [grant], new Float64Array(2), token, 0, 0, new BigUint64Array(1))).toThrow(
       InvalidInputError,
     );
     expect(victim.byteLength).toBe(0);
