@@ -89,7 +89,7 @@ export function firstAdjacent(offsets: Float64Array, blockBytes: number): number
 }
 
 /** What the kv requester measures: the engine on each transport, prepared or not, and the two baselines. */
-export type KvMethod = 'same-host-prepared' | 'same-host-read' | 'same-host-leased' | 'tcp-prepared' | 'tcp-read' | 'tcp-leased' | 'raw' | 'memcpy';
+export type KvMethod = 'same-host-prepared' | 'same-host-read' | 'same-host-leased' | 'tcp-prepared' | 'tcp-read' | 'tcp-leased' | 'raw' | 'memcpy' | 'memcpy-shm';
 
 /**
  * The lock-service block id of the descriptor at `offset` of `blockBytes` in the holder's region:

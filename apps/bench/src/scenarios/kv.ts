@@ -97,6 +97,7 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
   raw: () => 'raw node:net stream (same byte count)',
   memcpy: () => 'memcpy (Buffer.copy per descriptor, JS loop)',
+  'memcpy-shm': () => 'memcpy out of a shared segment (Buffer.copy per descriptor, JS loop)',
 };
 
 /** Goals from the issue, by ratio kind and shape. */
@@ -129,6 +130,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const methods: KvMethod[] = [];
     for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`);
     methods.push('raw', 'memcpy');
+    if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
     const transportOf = (m: KvMethod): string => (m.startsWith('same-host') ? (hello.transports['same-host'] as string) : m.startsWith('tcp') ? (hello.transports['tcp'] as string) : '');
 
@@ -167,21 +169,21 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         const g = median(runs.map((x) => gbps(x.bytes, x.ms)));
         gbpsOf.set(`${ci}/${m}`, g);
         const transport = runs[0]?.transport ?? transportOf(m);
-        if (transport && m !== 'raw' && m !== 'memcpy' && runs.some((x) => x.transport !== transportOf(m))) {
+        if (transport && m !== 'raw' && m !== 'memcpy' && m !== 'memcpy-shm' && runs.some((x) => x.transport !== transportOf(m))) {
           throw new BenchError(`kv ${label(c)}: the engine used ${runs.map((x) => x.transport).join(', ')} where explain() chose ${transportOf(m)}`);
         }
         const prepare = runs.filter((x) => x.prepareMs !== undefined).map((x) => x.prepareMs as number);
         const ranges = runs.find((x) => x.ranges !== undefined)?.ranges;
         measurements.push({
           name: NAMES[m](transportOf(m)),
-          role: m === 'raw' || m === 'memcpy' ? 'baseline' : 'subject',
+          role: m === 'raw' || m === 'memcpy' || m === 'memcpy-shm' ? 'baseline' : 'subject',
           blockBytes: c.blockBytes,
           descriptors: descriptorsOf(c),
           totalBytes: runs.reduce((t, x) => t + x.bytes, 0),
           gbps: g,
           opsPerSec: median(runs.map((x) => x.fetches / (x.ms / 1000))),
           descriptorsPerSec: median(runs.map((x) => x.descriptors / (x.ms / 1000))),
-          ...(m !== 'raw' && m !== 'memcpy' ? { transport } : {}),
+          ...(m !== 'raw' && m !== 'memcpy' && m !== 'memcpy-shm' ? { transport } : {}),
           latency: summarize(runs.flatMap((x) => x.latencies)),
           extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}) },
         });
@@ -203,6 +205,17 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
             descriptors: descriptorsOf(c),
             value,
             ...(g !== undefined ? { goal: g, pass: value >= g } : {}),
+          });
+        }
+        if (lane === 'same-host' && gbpsOf.has(`${ci}/memcpy-shm`)) {
+          const value = (gbpsOf.get(`${ci}/same-host-prepared`) as number) / (gbpsOf.get(`${ci}/memcpy-shm`) as number);
+          ratios.push({
+            name: `same-host prepared/memcpy-shm @ ${label(c)} (same source memory kind)`,
+            subject: NAMES['same-host-prepared'](transportOf('same-host-prepared')),
+            baseline: NAMES['memcpy-shm'](''),
+            blockBytes: c.blockBytes,
+            descriptors: descriptorsOf(c),
+            value,
           });
         }
         // The lease and grant overhead: the whole leased fetch against the same engine.read alone.
@@ -262,6 +275,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs; against engine.register of each 4 KiB block separately (what a lease cost before range grants)',
       'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
       'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call)',
+      'memcpy-shm baseline: the same loop, out of a shared segment of the requester filled with the same pattern: what the same-host transport copies from (shared segments get no transparent huge pages on this kernel, process heap can)',
       'raw baseline: the holder writes the same byte count per fetch from its region as one contiguous run over one node:net socket (slices of at most 4 MiB), received straight into the destination with onread: no per-descriptor work, a ceiling for TCP',
     ];
     if (unavailable !== undefined) notes.push(`same-host transport unavailable here: ${unavailable}`);

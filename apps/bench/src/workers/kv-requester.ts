@@ -18,6 +18,7 @@
 import net from 'node:net';
 import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type Registration, type TransferRequest } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
+import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockClient } from '@tensorwire/lock-client';
 import { bytesOf, kvBlockId, rng, scatter, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
@@ -44,6 +45,17 @@ const endpoint = new Uint8Array(Buffer.from(cfg.endpoint, 'base64'));
 const descriptor = new Uint8Array(Buffer.from(cfg.descriptor, 'base64'));
 const expectedBytes = pattern(cfg.regionBytes, cfg.seed);
 const expected = Buffer.from(expectedBytes.buffer, expectedBytes.byteOffset, expectedBytes.byteLength);
+// The same pattern in shared memory of this process too (a segment like the holder's): shared
+// segments get no transparent huge pages here, process heap may, so copies out of them differ.
+const shmExpected = (() => {
+  try {
+    const b = allocateSharedMemory(cfg.regionBytes, `kv-requester-${process.pid}`);
+    b.set(expectedBytes);
+    return Buffer.from(b.buffer, b.byteOffset, b.byteLength);
+  } catch {
+    return undefined;
+  }
+})();
 const destBytes = new Uint8Array(cfg.maxRequestBytes);
 destBytes.fill(1); // fault the pages in before anything is timed
 const dest = Buffer.from(destBytes.buffer, destBytes.byteOffset, destBytes.byteLength);
@@ -207,11 +219,13 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
   const out: KvMethodResult[] = [];
   for (const method of order) {
     let r: Omit<KvMethodResult, 'method'>;
-    if (method === 'memcpy') {
+    if (method === 'memcpy' || method === 'memcpy-shm') {
+      const src = method === 'memcpy' ? expected : shmExpected;
+      if (!src) throw new Error('no shared memory in this process for the memcpy-shm baseline');
       r = await timed(offsets, s, fetches, random, () => {
         for (let i = 0; i < count; i++) {
           const ro = offsets[i] as number;
-          expected.copy(dest, i * s, ro, ro + s);
+          src.copy(dest, i * s, ro, ro + s);
         }
       });
     } else if (method === 'raw') {
