@@ -59,7 +59,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(kv.verificationFailures).toBe(0);
     const transports = sameHost ? ['cuda-ipc', 'tcp'] : ['tcp'];
     for (const t of transports) {
-      for (const name of [`${t}: engine.prepare + run()`, `${t}: engine.read`]) {
+      for (const name of [`${t}: engine.prepare + run()`, `${t}: engine.read`, `${t}: client.fetch (lease + range grant + read + release)`]) {
         const rows = kv.measurements.filter((m) => m.name === name);
         expect(rows.length, name).toBeGreaterThan(0);
         for (const m of rows) {
@@ -74,6 +74,9 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     for (const b of ['raw node:net stream (same byte count)', 'memcpy (Buffer.copy per descriptor, JS loop)']) {
       expect(kv.measurements.filter((m) => m.name === b && m.role === 'baseline').length, b).toBeGreaterThan(0);
     }
+    // Grant cost rows: engine.grant over N ranges, against per-block registration.
+    expect(kv.measurements.filter((m) => /^engine\.grant over \d+ ranges/.test(m.name)).length).toBeGreaterThanOrEqual(2);
+    expect(kv.measurements.some((m) => m.name.startsWith('engine.register per 4 KiB block') && m.role === 'baseline')).toBe(true);
     // Ratio rows with the issue's goals: 4 KiB, 64 KiB and the plain 1 × 4 MiB read.
     const goals = kv.ratios.filter((r) => r.goal !== undefined).map((r) => r.name);
     expect(goals).toEqual(expect.arrayContaining(['tcp prepared/raw @ 4 KiB × 32', 'tcp prepared/raw @ 64 KiB × 32', 'tcp prepared/raw @ 4 MiB × 1']));
@@ -85,7 +88,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     const out = await quick('kv', ['--transport', 'tcp', '--batches', '32']);
     const kv = out.results[0]!;
     expect(kv.verificationFailures).toBe(0);
-    const engines = kv.measurements.filter((m) => m.role === 'subject');
+    const engines = kv.measurements.filter((m) => m.role === 'subject' && m.descriptors !== undefined);
     expect(engines.length).toBeGreaterThan(0);
     expect(new Set(engines.map((m) => m.transport))).toEqual(new Set(['tcp']));
     expect(kv.ratios.some((r) => r.name.startsWith('same-host'))).toBe(false);

@@ -381,7 +381,7 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
     );
     expect(Buffer.compare(new Uint8Array(grant, 0, 1024), grantHeader)).toBe(0);
     // The generator reaches the copies too, not only the refusals.
-    expect(copied).toBeGreaterThan(300);
+    expect(copied).toBeGreaterThan(100); // about 3% of 10,000 runs; far from the threshold
   });
 
   it('refuses malformed arguments with a thrown error', () => {
