@@ -1019,7 +1019,9 @@ class TcpStream implements FrameSink {
     this.#handedOp = undefined;
     this.#pending.clear();
     for (const op of [...this.#ops]) {
-      this.#settle(op, op.cancelError ?? error);
+      // A transfer whose own signal already fired (abort, deadline) reports that, not the
+      // socket's fate: its other stream may be the one closed to quiesce it.
+      this.#settle(op, op.cancelError ?? (op.signal.aborted ? errorFromSignal(op.signal, 'transfer') : error));
       this.#unpin(op, true);
     }
     const w = this.#incomingWrite;
