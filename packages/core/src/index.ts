@@ -12,3 +12,5 @@ export * from './discovery.js';
 export { TcpTransport, TcpConnection, encodeTcpEndpoint, decodeTcpEndpoint, type TcpTransportOptions } from './tcp/transport.js';
 export * as tcpFrames from './tcp/frames.js';
 export { Registry } from 'prom-client';
+export * as kit from './kit/index.js';
+export { UdsTransport, encodeUdsEndpoint, decodeUdsEndpoint, type UdsTransportOptions } from './uds/transport.js';
