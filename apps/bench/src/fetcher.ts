@@ -13,7 +13,7 @@ import { LockClient, decodeFetchDescriptor } from '@tensorwire/lock-client';
 import { blockId, blockSeed, decodeRawPort } from './fetch-protocol.js';
 import { gbps, nowMs, summarize } from './stats.js';
 import { requesterTransports, type TransportChoice } from './transports.js';
-import { BenchError, type Measurement, type Ratio } from './types.js';
+import type { Measurement, Ratio } from './types.js';
 
 export interface FetchOptions {
   lockAddress: string;
@@ -53,7 +53,6 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
   const notes: string[] = [`requester transports (--transport ${choice}): ${engine.transports.map((t) => t.name).join(', ')}`, ...built.notes];
   const used = new Set<string>();
   let chosenTransport: string | undefined;
-  let fatal: BenchError | undefined;
   let failures = 0;
   let fetches = 0;
   let failedFetches = 0;
@@ -75,7 +74,7 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
     let lastProgress = 0;
     await Promise.all(
       lanes.map(async ({ buffer, local }) => {
-        while (nowMs() < end && !o.signal?.aborted && fatal === undefined) {
+        while (nowMs() < end && !o.signal?.aborted) {
           const chosen = pick(o.blocks, o.blocksPerFetch);
           const t0 = nowMs();
           try {
@@ -120,7 +119,6 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
         }
       }),
     );
-    if (fatal) throw fatal;
     const elapsed = nowMs() - start;
     const transport = [...used].join('+') || (chosenTransport ?? 'none');
     if (used.size > 0 && (used.size !== 1 || !used.has(chosenTransport as string))) notes.push(`transports the engine reported using: ${transport} (explain() said ${chosenTransport})  <-- MISMATCH`);
