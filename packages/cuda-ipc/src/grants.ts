@@ -442,8 +442,9 @@ export interface DirSegment {
 
 /**
  * Read grant `record` (generation, token) of table `t`: enter it, read its range table and
- * the directory entries it names, leave. `count` is the number of ranges the payload names;
- * the table must say the same. The descriptor's range lengths play no part: the table is the
+ * the directory entries it names, leave. `count` and `bytes` are the number of ranges and the
+ * byte total the payload names; the table must say the same (else RemoteRejectedError
+ * `bad-grant`: the payload was changed). The descriptor's range lengths play no part: the table is the
  * truth, and every range is bounded by it (natively, per batch). `mapSegment` maps a data segment (per connection) and returns
  * its mapping. Returns the spans (3 numbers per range: index into `segments`, offset of the
  * range in the segment mapping, length), each checked against the mapping size. While the
@@ -456,6 +457,7 @@ export function readRangeTable(
   generation: number,
   token: Uint8Array,
   expectCount: number,
+  expectBytes: number,
   mapSegment: (name: string) => ArrayBuffer,
 ): { spans: Float64Array; segments: DirSegment[]; mappings: ArrayBuffer[] } {
   if (!Number.isSafeInteger(record) || record < 0 || record >= t.geometry.records) throw rejected(`grant table ${t.name} has no record ${record}`, 'bad-grant');
@@ -476,6 +478,7 @@ export function readRangeTable(
     const segments: DirSegment[] = [];
     const mappings: ArrayBuffer[] = [];
     const segOfDir = new Map<number, number>();
+    let total = 0;
     let at = t.arenaAt + arenaOffset;
     for (let k = 0; k < count; k++, at += RANGE_BYTES) {
       const dir = t.u32[at / 4] as number;
@@ -503,6 +506,10 @@ export function readRangeTable(
       spans[k * 3] = s;
       spans[k * 3 + 1] = base;
       spans[k * 3 + 2] = length;
+      total += length;
+    }
+    if (total !== expectBytes) {
+      throw rejected(`grant ${t.name}#${record}: its ranges cover ${total} bytes, the payload says ${expectBytes}`, 'bad-grant');
     }
     return { spans, segments, mappings };
   } finally {

@@ -309,8 +309,15 @@ export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteL
     if (rangeLengths === undefined) throw new InvalidInputError('cuda-ipc payload is a range grant, but the descriptor has no range lengths', { details: { field: 'rangeLengths' } });
     if (!(rangeLengths instanceof Float64Array)) throw new InvalidInputError('cuda-ipc: range lengths must be a Float64Array', { details: { field: 'rangeLengths' } });
     if (count === 0) throw new InvalidInputError('cuda-ipc payload grants no range', { details: { field: 'count' } });
+    if (count !== rangeLengths.length) {
+      throw new InvalidInputError(`cuda-ipc payload grants ${count} ranges, the descriptor lists ${rangeLengths.length}`, { details: { field: 'count' } });
+    }
+    if (length < count) throw new InvalidInputError(`cuda-ipc payload: ${count} ranges cannot cover ${length} bytes`, { details: { field: 'length' } });
     // The descriptor's lengths and byte length are the engine's to check requests against; the
-    // serving side trusts neither: every range is bounded by the grant's own range table.
+    // serving side trusts neither: every range is bounded by the grant's own range table. The
+    // payload's byte total is not compared with `byteLength` (a descriptor may claim more bytes
+    // around a genuine payload, and must still reach what was granted): the grant's range table
+    // must agree with it, and with `count` (readRangeTable), so no payload field goes unchecked.
     return Object.freeze({ kind: 'host' as const, tableName, record, generation, token, count, length, rangeLengths: Float64Array.from(rangeLengths) });
   }
   if (rangeLengths !== undefined) {
@@ -610,6 +617,7 @@ class CudaIpcConnection implements TransportConnection {
     this.#inflight++;
     try {
       if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
+      this.#liveLocals(batch);
       try {
         const plan = this.#hostPlan(batch);
         if (plan) this.#copyHost(batch, plan, options);
@@ -633,10 +641,28 @@ class CudaIpcConnection implements TransportConnection {
   }
 
   /**
+   * Refuses the batch (InvalidInputError naming the first request that uses it) when one of
+   * its local handles was revoked: checked on every post, before any byte moves, since a
+   * handle can be revoked between posts of the same batch. Once per distinct local, not per
+   * range. Handles that are not this transport's are left to {@link #hostPlan}.
+   */
+  #liveLocals(batch: TransferBatch): void {
+    const locals = batch.locals;
+    for (let i = 0; i < locals.length; i++) {
+      const h = locals[i];
+      const revoked = h instanceof HostHandle ? h.revoked : h instanceof CudaHandle ? h.grant.revoked !== undefined : false;
+      if (revoked) {
+        throw new InvalidInputError(`local ${i} of the batch is a revoked registration`, { details: { field: 'local', request: firstRequest(batch, RangeField.Local, i) } });
+      }
+    }
+  }
+
+  /**
    * The tables {@link native.copyBatch} takes for `batch`, or null when CUDA memory is on
    * either side (then {@link #executeRanges} runs it). Derived once per batch: the engine posts
    * the same batch object again on retries and prepared transfers, and nothing here can change
-   * between posts (the grant's revocation, which can, is checked by the addon on every post).
+   * between posts (a grant's revocation, which can, is checked by the addon on every post; a
+   * local registration's by {@link #liveLocals}, before this).
    */
   #hostPlan(batch: TransferBatch): HostPlan | null {
     const cached = this.#plans.get(batch);
@@ -793,7 +819,7 @@ class CudaIpcConnection implements TransportConnection {
         t = openTableView(remote.tableName, this.peer.nodeId, this.#peerPid);
         this.#tables.set(remote.tableName, t);
       }
-      const read = readRangeTable(t, remote.record, remote.generation, remote.token, remote.count, (name) => this.#mapData(name));
+      const read = readRangeTable(t, remote.record, remote.generation, remote.token, remote.count, remote.length, (name) => this.#mapData(name));
       r = { table: t, recordOffset: HEADER_SIZE + remote.record * RECORD_BYTES, ...read };
     } catch (e) {
       throw withRequest(e, firstRequest(batch, RangeField.Remote, index));

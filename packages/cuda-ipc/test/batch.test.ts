@@ -223,6 +223,44 @@ describe('cuda-ipc batches', () => {
     releaseSharedMemory(region);
   });
 
+  it('a batch with a revoked local handle (also revoked between posts of the same batch) is InvalidInput naming its first request, and moves nothing', async () => {
+    const live = await local(4096);
+    const gone = await local(8192);
+    const read = createTransferBatch('read', [
+      { local: live.handle, localOffset: 0, remote: sharedRemote, remoteOffset: 0, length: 4096, request: 7 },
+      { local: gone.handle, localOffset: 0, remote: sharedRemote, remoteOffset: 0, length: 4096, request: 8 },
+      { local: gone.handle, localOffset: 4096, remote: slotRemote, remoteOffset: 0, length: 4096, request: 9 },
+    ]);
+    const target = allocateSharedMemory(8192, 'batchlr');
+    const reg = await tb.register({ kind: 'host', buffer: target });
+    const targetRemote = ta.decodeRemote(reg.payload, 'host', 8192);
+    const write = createTransferBatch('write', [
+      { local: live.handle, localOffset: 0, remote: targetRemote, remoteOffset: 0, length: 4096, request: 3 },
+      { local: gone.handle, localOffset: 0, remote: targetRemote, remoteOffset: 4096, length: 4096, request: 4 },
+    ]);
+    try {
+      await conn.execute(0, read, opts());
+      expect(gone.buffer[0]).toBe(pattern(1));
+      await conn.execute(0, write, opts());
+      await ta.revoke(gone.handle);
+      live.buffer.fill(0xee);
+      gone.buffer.fill(0xee);
+      target.fill(0);
+      const err = await rejection(conn.execute(0, read, opts()));
+      expect(err).toBeInstanceOf(InvalidInputError);
+      expect(err.details['request']).toBe(8);
+      expect(live.buffer.every((x) => x === 0xee), 'bytes moved into the live local').toBe(true);
+      expect(gone.buffer.every((x) => x === 0xee), 'bytes moved into the revoked local').toBe(true);
+      const werr = await rejection(conn.execute(0, write, opts()));
+      expect(werr).toBeInstanceOf(InvalidInputError);
+      expect(werr.details['request']).toBe(4);
+      expect(target.every((x) => x === 0), 'bytes of the batch reached the peer').toBe(true);
+    } finally {
+      await tb.revoke(reg.handle);
+      releaseSharedMemory(target);
+    }
+  });
+
   it('a slot stuck write-locked fails the batch with TimedOut at the deadline', async () => {
     const mapping = (slotView.buffer as Uint8Array).buffer as ArrayBuffer;
     const gen = new BigUint64Array(mapping, 128, 1);

@@ -306,10 +306,27 @@ describe('cuda-ipc range grants', () => {
         ['a flipped token bit', forge((q) => (q[f.at.token + 9] = (q[f.at.token + 9] as number) ^ 0x10)), 'bad-token'],
         ['only the token changed', forge((q) => q.set(randomBytes(16), f.at.token)), 'bad-token'],
         ['a table that does not exist', forge((q) => (q[f.at.table + 30] = q[f.at.table + 30] === 0x61 ? 0x62 : 0x61)), 'unknown-grant'],
+        // The byte total is checked against the grant's own table, not the (forgeable) descriptor's byte length.
+        ['a byte total one more', forge((_q, dv) => dv.setBigUint64(f.at.token + 20, BigInt(4 * BLOCK + 1))), 'bad-grant'],
+        ['a byte total one less', forge((_q, dv) => dv.setBigUint64(f.at.token + 20, BigInt(4 * BLOCK - 1))), 'bad-grant'],
       ];
+      // A range count that disagrees with the descriptor's range lengths does not decode; one
+      // that agrees with forged lengths decodes, and the grant's own table refuses it.
+      const fiveRanges = forge((_q, dv) => dv.setUint32(f.at.token + 16, 5));
+      for (const n of [4, 3]) {
+        let e: unknown;
+        try {
+          ta.decodeRemote(n === 4 ? fiveRanges : forge((_q, dv) => dv.setUint32(f.at.token + 16, n)), 'host', 4 * BLOCK, lengths);
+        } catch (x) {
+          e = x;
+        }
+        expect(e, `count ${n === 4 ? 5 : n} with 4 range lengths`).toBeInstanceOf(InvalidInputError);
+        expect((e as InvalidInputError).details['field']).toBe('count');
+      }
+      cases.push(['a range count one more (and a range length more)', fiveRanges, 'bad-grant']);
       const table = tableOf(g.payload);
       for (const [label, payload, code] of cases) {
-        const forged = ta.decodeRemote(payload, 'host', 4 * BLOCK, lengths);
+        const forged = payload === fiveRanges ? ta.decodeRemote(payload, 'host', 5 * BLOCK, Float64Array.of(BLOCK, BLOCK, BLOCK, BLOCK, BLOCK)) : ta.decodeRemote(payload, 'host', 4 * BLOCK, lengths);
         const err = await rejection(one(0, 0, BLOCK, forged));
         expect(err, label).toBeInstanceOf(RemoteRejectedError);
         expect((err as RemoteRejectedError).remoteCode, label).toBe(code);

@@ -151,9 +151,23 @@ interface Assembly {
   rangeLength?: Float64Array;
 }
 
-/** The cache key of a grant: its token and its range count (a descriptor names both). */
-export function grantKey(hex: string, count: number): string {
-  return `${hex}:${count}`;
+/** What a requester presents in GRANT_BIND: the fields of the grant's descriptor payload. */
+export interface GrantTerms {
+  readonly token: Uint8Array;
+  readonly count: number;
+  /** The payload's mode: memory windows (else whole-MR rkeys). */
+  readonly windows: boolean;
+  /** The payload's byte total. */
+  readonly length: number;
+}
+
+/**
+ * The cache key of a grant: every field of its payload (token in hex, range count, mode, byte
+ * total). The holder refuses a GRANT_BIND whose fields are not the grant's, so a descriptor
+ * with any of them changed never meets the real grant's table.
+ */
+export function grantKey(hex: string, g: Omit<GrantTerms, 'token'>): string {
+  return `${hex}:${g.count}:${g.windows ? 1 : 0}:${g.length}`;
 }
 
 /**
@@ -170,7 +184,7 @@ export class GrantTableCache {
   readonly #tables = new Map<string, GrantTable>();
   readonly #inflight = new Map<string, Promise<GrantTable>>();
   readonly #waiting = new Map<number, Assembly>();
-  readonly #queued: { readonly requestId: number; readonly count: number; readonly token: Uint8Array }[] = [];
+  readonly #queued: { readonly requestId: number; readonly terms: GrantTerms }[] = [];
   #inFlight = 0;
   #ranges = 0;
   #nextRequest = 1;
@@ -204,12 +218,21 @@ export class GrantTableCache {
     return this.#ranges;
   }
 
-  /** The table for a grant: cached, or one GRANT_BIND shared by every caller. */
-  get(token: Uint8Array, hex: string, count: number): GrantTable | Promise<GrantTable> {
-    if (token.length !== GRANT_TOKEN_BYTES || !Number.isInteger(count) || count < 1 || count > MAX_RANGE_GRANT_RANGES) {
+  /** The table for a grant (as its payload says, `hex` its token in hex): cached, or one GRANT_BIND shared by every caller. */
+  get(g: GrantTerms, hex: string): GrantTable | Promise<GrantTable> {
+    const { token, count, windows, length } = g;
+    if (
+      token.length !== GRANT_TOKEN_BYTES ||
+      !Number.isInteger(count) ||
+      count < 1 ||
+      count > MAX_RANGE_GRANT_RANGES ||
+      typeof windows !== 'boolean' ||
+      !Number.isSafeInteger(length) ||
+      length < count
+    ) {
       return Promise.reject(new InvalidInputError('malformed range grant'));
     }
-    const key = grantKey(hex, count);
+    const key = grantKey(hex, g);
     const hit = this.#tables.get(key);
     if (hit) {
       // Most recently used last: eviction takes the oldest idle table first.
@@ -237,17 +260,17 @@ export class GrantTableCache {
     p = new Promise<GrantTable>((resolve, reject) => this.#waiting.set(requestId, { requestId, key, count, resolve, reject, stage: 0, filled: 0, revoked: false }));
     p.catch(() => undefined); // observed by whoever awaits it
     this.#inflight.set(key, p);
-    this.#queued.push({ requestId, count, token: new Uint8Array(token) });
+    this.#queued.push({ requestId, terms: { token: new Uint8Array(token), count, windows, length } });
     this.#dispatch();
     return p;
   }
 
   #dispatch(): void {
     while (this.#inFlight < this.#maxInFlight && this.#queued.length > 0) {
-      const q = this.#queued.shift() as { requestId: number; count: number; token: Uint8Array };
+      const q = this.#queued.shift() as { requestId: number; terms: GrantTerms };
       this.#inFlight++;
       this.#sent++;
-      this.#send({ type: 'grant-bind', requestId: q.requestId, count: q.count, token: q.token });
+      this.#send({ type: 'grant-bind', requestId: q.requestId, ...q.terms });
     }
   }
 

@@ -3,7 +3,7 @@ export { capabilities, isAvailable, toDeviceRecord, usablePort, readNumaNode, re
 export * from './attributes.js';
 export * from './wire.js';
 export { WindowLedger, WindowKeyCache, Binding, tokenHex, refusal, MAX_BINDS_IN_FLIGHT, type WindowKeys, type RefuseCode, type BindRequest } from './windows.js';
-export { GrantTableCache, layoutGrant, grantKey, MAX_CACHED_GRANT_RANGES, type GrantTable, type GrantLayout, type GrantFields } from './grants.js';
+export { GrantTableCache, layoutGrant, grantKey, MAX_CACHED_GRANT_RANGES, type GrantTable, type GrantLayout, type GrantFields, type GrantTerms } from './grants.js';
 export {
   loadNative,
   tryLoadNative,

@@ -106,6 +106,8 @@ import {
   type WindowGrant,
 } from './wire.js';
 
+type GrantBindMessage = Extract<ControlMessage, { type: 'grant-bind' }>;
+
 export interface CudaDmabufExport {
   /** A dma-buf file descriptor covering the allocation (cuMemGetHandleForAddressRange). */
   readonly fd: number;
@@ -1113,7 +1115,7 @@ export class RdmaConnection implements TransportConnection {
         if (kind === KIND_MR) continue;
         const r = checked.remotes[m] as Remote;
         const k =
-          r instanceof RemoteRanges ? this.#tables.get(r.grant.token, r.tokenHex, r.grant.count) : this.#keys.get((r.grant as WindowGrant).token, r.windowToken);
+          r instanceof RemoteRanges ? this.#tables.get(r.grant, r.tokenHex) : this.#keys.get((r.grant as WindowGrant).token, r.windowToken);
         if (k instanceof Promise) (waits ??= []).push((k as Promise<WindowKeys | GrantTable>).then((v) => hold(m, v)));
         else hold(m, k);
       }
@@ -1358,7 +1360,7 @@ export class RdmaConnection implements TransportConnection {
       return;
     }
     if (m.type === 'grant-bind') {
-      void this.#serveGrantBind(m.requestId, m.count, m.token);
+      void this.#serveGrantBind(m);
       return;
     }
     if (m.type === 'grant-head' || m.type === 'grant-regions' || m.type === 'grant-keys' || m.type === 'grant-ranges' || m.type === 'grant-refuse') {
@@ -1538,29 +1540,31 @@ export class RdmaConnection implements TransportConnection {
    * Holder side of GRANT_BIND: answer with the grant's table (where each range is, and the
    * rkeys that open it on this connection), or refuse with a reason. In memory-window mode this
    * first binds one type-2 window per key (a run of granted ranges) and queue pair of this
-   * connection, within the peer's window budget.
+   * connection, within the peer's window budget. A range count, mode or byte total that is not
+   * the grant's is refused like an unknown token: the requester's descriptor payload was changed.
    */
-  async #serveGrantBind(requestId: number, count: number, token: Uint8Array): Promise<void> {
+  async #serveGrantBind(m: GrantBindMessage): Promise<void> {
     if (this.#pendingGrantBinds >= MAX_PENDING_BINDS) {
       void this.#shutdown(new ConnectionBrokenError(`${this.peer.nodeId} sent more than ${MAX_PENDING_BINDS} GRANT_BINDs at once`), undefined);
       return;
     }
     this.#pendingGrantBinds++;
     try {
-      await this.#serveGrantBindNow(requestId, count, token);
+      await this.#serveGrantBindNow(m);
     } finally {
       this.#pendingGrantBinds--;
     }
   }
 
-  async #serveGrantBindNow(requestId: number, count: number, token: Uint8Array): Promise<void> {
+  async #serveGrantBindNow(m: GrantBindMessage): Promise<void> {
+    const { requestId, token } = m;
     const refuse = (code: string, message: string): void => this.#control.send({ type: 'grant-refuse', requestId, code, message });
     if (this.#state !== 'open' && this.#state !== 'retiring') return refuse('closing', 'the connection is closing');
     const ledger = this.#owner.grantLedger;
     const hex = tokenHex(token);
     const g = ledger?.grant(hex);
-    // A token that was never issued, was revoked, or names another number of ranges: the same answer.
-    if (!ledger || !g || g.count !== count || g.revoked) return refuse('unknown-grant', 'no such grant: it was never issued here or has been revoked');
+    // A token that was never issued, was revoked, or comes with another number of ranges, mode or byte total: the same answer.
+    if (!ledger || !g || g.count !== m.count || g.windows !== m.windows || g.bytes !== m.length || g.revoked) return refuse('unknown-grant', 'no such grant: it was never issued here or has been revoked');
     const send = (b: Binding<RdmaConnection>): void =>
       this.#control.sendFrames(encodeGrantTable(requestId, g.table(b.rkeys as Uint32Array, g.windows ? this.streams : 1)));
     const r = ledger.request(this, hex);
@@ -2290,8 +2294,13 @@ export class RdmaTransport implements Transport {
   }
 
   /**
-   * Decode a peer's descriptor payload. For a range grant, `rangeLengths` (from the
-   * descriptor's envelope) are what transfers are checked against first; they are not trusted:
+   * Decode a peer's descriptor payload. A registration's length must be the envelope's
+   * `byteLength`, and a range grant's range count the number of `rangeLengths` (refused with
+   * InvalidInputError otherwise). A range grant's byte total is not compared with the
+   * envelope's, which may be forged longer while the payload is genuine (and must still reach
+   * what was granted): it is presented, with the token, count and mode, in GRANT_BIND, and the
+   * holder refuses any that is not the grant's, so no payload byte goes unchecked. For a range
+   * grant, `rangeLengths` are what transfers are checked against first; they are not trusted:
    * every transfer is checked again against the lengths the holder itself sends with the
    * grant's table, so a descriptor forged to claim longer (or more) ranges reaches nothing
    * outside the granted ones, and still reaches what was granted.
@@ -2312,6 +2321,9 @@ export class RdmaTransport implements Transport {
     }
     if (!(rangeLengths instanceof Float64Array) || rangeLengths.length === 0) {
       throw new InvalidInputError(`a range grant of ${g.count} ranges needs their lengths`, { details: { field: 'rangeLengths' } });
+    }
+    if (rangeLengths.length !== g.count) {
+      throw new InvalidInputError(`rdma descriptor: the payload grants ${g.count} ranges but the descriptor names ${rangeLengths.length}`, { details: { field: 'count' } });
     }
     for (let k = 0; k < rangeLengths.length; k++) {
       const len = rangeLengths[k] as number;

@@ -32,7 +32,9 @@
  *   parts of at most MAX_FRAME bytes each, in order (part `first` = entries sent so far), or
  *   GRANT_REFUSE. Range k is at region_base[key_region[range_key[k]]] + range_offset[k], opened
  *   by the key's rkeys (one for all queue pairs, or one per queue pair in order):
- *   GRANT_BIND    (11): u32 requestId | u32 rangeCount | 16 bytes grant token
+ *   GRANT_BIND    (11): u32 requestId | u32 rangeCount | u8 mode | u64 length | 16 bytes grant token
+ *                       — the descriptor payload's fields: the holder refuses a count, mode or
+ *                       length that is not the grant's, as it refuses an unknown token
  *   GRANT_HEAD    (12): u32 requestId | u32 ranges | u32 keys | u32 regions | u8 rkeysPerKey
  *   GRANT_REGIONS (13): u32 requestId | u32 first | u16 n | n × u64 base address
  *   GRANT_KEYS    (14): u32 requestId | u32 first | u16 n | u8 rkeysPerKey
@@ -131,7 +133,7 @@ export type ControlMessage =
   | { readonly type: 'bound'; readonly requestId: number; readonly rkeys: readonly number[] }
   | { readonly type: 'refuse'; readonly requestId: number; readonly code: string; readonly message: string }
   | { readonly type: 'unbind'; readonly token: Uint8Array }
-  | { readonly type: 'grant-bind'; readonly requestId: number; readonly count: number; readonly token: Uint8Array }
+  | { readonly type: 'grant-bind'; readonly requestId: number; readonly count: number; readonly windows: boolean; readonly length: number; readonly token: Uint8Array }
   | { readonly type: 'grant-head'; readonly requestId: number; readonly ranges: number; readonly keys: number; readonly regions: number; readonly rkeysPerKey: number }
   | { readonly type: 'grant-regions'; readonly requestId: number; readonly first: number; readonly hi: Uint32Array; readonly lo: Uint32Array }
   | { readonly type: 'grant-keys'; readonly requestId: number; readonly first: number; readonly rkeysPerKey: number; readonly region: Uint32Array; readonly rkeys: Uint32Array }
@@ -424,8 +426,10 @@ export function encodeFrame(m: ControlMessage): Uint8Array {
     case 'grant-bind':
       checkRequestId(m.requestId, what);
       checkCount(m.count, 1, MAX_RANGE_GRANT_RANGES, 'count', what);
+      if (typeof m.windows !== 'boolean') bad(what, 'mode', 'mode must be a boolean');
+      if (!Number.isSafeInteger(m.length) || m.length < m.count) bad(what, 'length', 'length must be a safe integer of at least one byte per range');
       checkGrantToken(m.token, what);
-      w.u32(m.requestId).u32(m.count).bytes(m.token);
+      w.u32(m.requestId).u32(m.count).u8(m.windows ? 1 : 0).u64(m.length).bytes(m.token);
       break;
     case 'grant-head':
       checkRequestId(m.requestId, what);
@@ -577,7 +581,11 @@ export function decodeMessage(body: Uint8Array): ControlMessage {
       const requestId = r.u32('requestId');
       const count = r.u32('count');
       checkCount(count, 1, MAX_RANGE_GRANT_RANGES, 'count', what);
-      m = { type: 'grant-bind', requestId, count, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
+      const mode = r.u8('mode');
+      if (mode !== 0 && mode !== 1) bad(what, 'mode', `range grant mode ${mode} is not supported`);
+      const length = r.safeU64('length');
+      if (length < count) bad(what, 'length', `${count} ranges cannot cover ${length} bytes`);
+      m = { type: 'grant-bind', requestId, count, windows: mode === 1, length, token: new Uint8Array(r.bytes(GRANT_TOKEN_BYTES, 'token')) };
       break;
     }
     case 12: {

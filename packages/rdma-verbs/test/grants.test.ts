@@ -40,6 +40,16 @@ const { pair } = testNodes('rdma-grants', (extra: Partial<RdmaTransportOptions>)
   new RdmaTransport({ backend: fabric.backend(extra.grants !== 'memory-region'), quiesceTimeoutMs: 2_000, ...extra }),
 );
 
+/** What `f` throws (undefined if it returns). */
+function failureOf(f: () => unknown): unknown {
+  try {
+    f();
+  } catch (e) {
+    return e;
+  }
+  return undefined;
+}
+
 /** A holder region's bytes: never 0xff, which marks what the holder writes after a revoke. */
 const source = (n: number): Uint8Array => pattern(n, 7).map((x) => (x === 0xff ? 0 : x));
 
@@ -275,7 +285,7 @@ describe('range grants over simulated verbs: limits and hostile peers', () => {
     expect(b.t.grantWindowsOf(a.host.identity)).toBe(4);
   });
 
-  it('a GRANT_BIND for an unknown token or the wrong range count is refused; the connection stays and holds nothing', async () => {
+  it('a GRANT_BIND for an unknown token, the wrong range count, mode or byte total is refused; the connection stays and holds nothing', async () => {
     const { a, b, conn } = await pair(1);
     const rr = await b.t.register({ kind: 'host', buffer: pattern(8192, 9) });
     const gr = b.t.grant(blocks(rr.handle, [0, 2], 1024));
@@ -283,7 +293,13 @@ describe('range grants over simulated verbs: limits and hostile peers', () => {
     if (g.grant !== 'ranges') throw new Error('expected a range grant');
     const lr = await a.t.register({ kind: 'host', buffer: new Uint8Array(4096) });
     const posted = fabric.counters.postedWrs;
-    for (const forged of [encodeGrant({ ...g, token: new Uint8Array(16).fill(0xaa) }), encodeGrant({ ...g, count: 3, length: 3072 })]) {
+    for (const forged of [
+      encodeGrant({ ...g, token: new Uint8Array(16).fill(0xaa) }),
+      encodeGrant({ ...g, count: 3, length: 3072 }),
+      encodeGrant({ ...g, windows: !g.windows }),
+      encodeGrant({ ...g, length: g.length + 1 }),
+      encodeGrant({ ...g, length: g.length - 1 }),
+    ]) {
       const n = decodeGrant(forged).grant === 'ranges' ? (decodeGrant(forged) as { count: number }).count : 0;
       const remote = a.t.decodeRemote(forged, 'host', n * 1024, new Float64Array(n).fill(1024));
       const err = await failure(conn.execute(0, createTransferBatch('read', [{ local: lr.handle, localOffset: 0, remote, remoteRange: 0, remoteOffset: 0, length: 1024 }]), opts()));
@@ -304,6 +320,14 @@ describe('range grants over simulated verbs: limits and hostile peers', () => {
     expect(() => a.t.decodeRemote(gr.payload, 'host', 2048, new Float64Array(0))).toThrow(/needs their lengths/);
     expect(() => a.t.decodeRemote(gr.payload, 'host', 2048, Float64Array.of(0, 2048))).toThrow(/length 0/);
     expect(() => a.t.decodeRemote(gr.payload, 'host', 2048, Float64Array.of(1.5, 1024))).toThrow(/length 1.5/);
+    // The payload's range count must be the number of the descriptor's range lengths.
+    for (const lengths of [Float64Array.of(2048), Float64Array.of(1024, 512, 512)]) {
+      const e = failureOf(() => a.t.decodeRemote(gr.payload, 'host', 2048, lengths));
+      expect(e).toBeInstanceOf(InvalidInputError);
+      expect((e as InvalidInputError).details).toMatchObject({ field: 'count' });
+    }
+    // Its byte total is the holder's to check (GRANT_BIND): a descriptor claiming more bytes around a genuine payload decodes.
+    expect(a.t.decodeRemote(gr.payload, 'host', 4096, Float64Array.of(3072, 1024))).toBeDefined();
     expect(() => a.t.decodeRemote(rr.payload, 'host', 4096)).toThrow(/registration covers 8192 bytes but the descriptor claims 4096/);
     expect(() => a.t.decodeRemote(rr.payload, 'host', 8192, Float64Array.of(4096, 4096))).toThrow(/not a range grant/);
     expect(a.t.decodeRemote(rr.payload, 'host', 8192, Float64Array.of(8192))).toBeDefined();
@@ -391,29 +415,29 @@ describe('range grant bookkeeping (no device)', () => {
   it('one GRANT_BIND per grant however many transfers want it; the table assembles from its parts', async () => {
     const sent: ControlMessage[] = [];
     const c = new GrantTableCache(2, (m) => sent.push(m));
-    const p1 = c.get(tok, hex, 1000);
-    const p2 = c.get(tok, hex, 1000);
+    const p1 = c.get({ token: tok, count: 1000, windows: true, length: 1000 * 4096 }, hex);
+    const p2 = c.get({ token: tok, count: 1000, windows: true, length: 1000 * 4096 }, hex);
     expect(p2).toBe(p1);
-    expect(sent).toEqual([{ type: 'grant-bind', requestId: 1, count: 1000, token: tok }]);
+    expect(sent).toEqual([{ type: 'grant-bind', requestId: 1, count: 1000, windows: true, length: 1000 * 4096, token: tok }]);
     for (const m of messages(table(1000, 2))) expect(c.onMessage(m)).toBeUndefined();
     const t = (await p1) as GrantTable;
     expect(t.count).toBe(1000);
     expect(t.rangeOffset[999]).toBe(999 * 4096);
-    expect(c.get(tok, hex, 1000)).toBe(t);
+    expect(c.get({ token: tok, count: 1000, windows: true, length: 1000 * 4096 }, hex)).toBe(t);
     expect(c.binds).toBe(1);
   });
 
   it('parts out of order, a head for another count, or answers not asked for break the connection', async () => {
     const c = new GrantTableCache(1, () => undefined);
     expect(c.onMessage({ type: 'grant-refuse', requestId: 5, code: 'x', message: 'y' })).toBeInstanceOf(ConnectionBrokenError);
-    const p = c.get(tok, hex, 1000) as Promise<GrantTable>;
+    const p = c.get({ token: tok, count: 1000, windows: true, length: 1000 * 4096 }, hex) as Promise<GrantTable>;
     const [head, regions, keys, ...ranges] = messages(table(1000));
     expect(c.onMessage(head as ControlMessage)).toBeUndefined();
     expect(c.onMessage(regions as ControlMessage)).toBeUndefined();
     expect(c.onMessage(keys as ControlMessage)).toBeUndefined();
     expect(c.onMessage(ranges[1] as ControlMessage)).toBeInstanceOf(ConnectionBrokenError);
     await expect(p).rejects.toBeInstanceOf(ConnectionBrokenError);
-    const q = c.get(tok, hex, 999) as Promise<GrantTable>;
+    const q = c.get({ token: tok, count: 999, windows: true, length: 999 * 4096 }, hex) as Promise<GrantTable>;
     const [head2] = messages(table(1000)).map((m) => ({ ...m, requestId: 2 }));
     expect(c.onMessage(head2 as ControlMessage)).toBeInstanceOf(ConnectionBrokenError);
     await expect(q).rejects.toBeInstanceOf(ConnectionBrokenError);
@@ -423,18 +447,18 @@ describe('range grant bookkeeping (no device)', () => {
   it('refusals are typed; GRANT_UNBIND revokes and drops the table; idle tables are evicted for room, busy ones are not', async () => {
     const sent: ControlMessage[] = [];
     const c = new GrantTableCache(1, (m) => sent.push(m), 64, 2000);
-    const limited = c.get(tok, hex, 10) as Promise<GrantTable>;
+    const limited = c.get({ token: tok, count: 10, windows: true, length: 10 * 4096 }, hex) as Promise<GrantTable>;
     c.onMessage({ type: 'grant-refuse', requestId: 1, code: 'window-limit', message: 'full' });
     await expect(limited).rejects.toBeInstanceOf(ResourceExhaustedError);
-    const p = c.get(tok, hex, 1000) as Promise<GrantTable>;
+    const p = c.get({ token: tok, count: 1000, windows: true, length: 1000 * 4096 }, hex) as Promise<GrantTable>;
     for (const m of messages(table(1000)).map((x) => ({ ...x, requestId: 2 }))) c.onMessage(m);
     const t = await p;
     t.users = 1;
     const other = new Uint8Array(16).fill(4);
     const otherHex = Buffer.from(other).toString('hex');
-    await expect(c.get(other, otherHex, 1500)).rejects.toBeInstanceOf(ResourceExhaustedError); // the busy one stays
+    await expect(c.get({ token: other, count: 1500, windows: true, length: 1500 * 4096 }, otherHex)).rejects.toBeInstanceOf(ResourceExhaustedError); // the busy one stays
     t.users = 0;
-    expect(c.get(other, otherHex, 1500)).toBeInstanceOf(Promise); // the idle one is evicted
+    expect(c.get({ token: other, count: 1500, windows: true, length: 1500 * 4096 }, otherHex)).toBeInstanceOf(Promise); // the idle one is evicted
     expect(c.size).toBe(0);
     expect(c.onUnbind(hex)).toEqual([]);
     c.failAll(new ConnectionBrokenError('gone'));

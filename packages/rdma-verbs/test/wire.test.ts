@@ -61,7 +61,7 @@ const messageArb: fc.Arbitrary<ControlMessage> = fc.oneof(
   fc.record({ type: fc.constant('bound' as const), requestId: u32, rkeys: fc.array(u32, { minLength: 1, maxLength: 16 }) }),
   fc.record({ type: fc.constant('refuse' as const), requestId: u32, code: text, message: fc.string({ maxLength: 200 }) }),
   fc.record({ type: fc.constant('unbind' as const), token: grantToken }),
-  fc.record({ type: fc.constant('grant-bind' as const), requestId: u32, count: fc.integer({ min: 1, max: 1 << 20 }), token: grantToken }),
+  fc.record({ type: fc.constant('grant-bind' as const), requestId: u32, count: fc.integer({ min: 1, max: 1 << 20 }), windows: fc.boolean(), length: fc.integer({ min: 1 << 20, max: Number.MAX_SAFE_INTEGER }), token: grantToken }),
   fc
     .record({ ranges: fc.integer({ min: 1, max: 1 << 20 }), a: fc.nat(), b: fc.nat(), per: fc.integer({ min: 1, max: 16 }), requestId: u32 })
     .map(({ ranges, a, b, per, requestId }) => {
@@ -354,7 +354,7 @@ describe('handshake frames', () => {
     expect(() => encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 11, regions: 1, rkeysPerKey: 1 })).toThrow(/keys must be 1\.\.10/);
     expect(() => encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 2, regions: 3, rkeysPerKey: 1 })).toThrow(/regions must be 1\.\.2/);
     expect(() => encodeFrame({ type: 'grant-head', requestId: 1, ranges: 10, keys: 2, regions: 1, rkeysPerKey: 17 })).toThrow(/rkeysPerKey/);
-    expect(() => encodeFrame({ type: 'grant-bind', requestId: 1, count: 0, token: new Uint8Array(16) })).toThrow(/count/);
+    expect(() => encodeFrame({ type: 'grant-bind', requestId: 1, count: 0, windows: false, length: 1, token: new Uint8Array(16) })).toThrow(/count/);
     expect(() => encodeFrame({ type: 'grant-ranges', requestId: 1, first: 0, key: Uint32Array.of(0), offset: Float64Array.of(2 ** 48), length: Float64Array.of(1) })).toThrow(/48-bit/);
     expect(() => encodeFrame({ type: 'grant-ranges', requestId: 1, first: 0, key: Uint32Array.of(0), offset: Float64Array.of(0), length: Float64Array.of(0) })).toThrow(/positive 48-bit/);
     expect(() => encodeFrame({ type: 'grant-keys', requestId: 1, first: 0, rkeysPerKey: 2, region: Uint32Array.of(0), rkeys: Uint32Array.of(1) })).toThrow(/need 2 rkeys/);
