@@ -1,10 +1,9 @@
 /**
  * Frame codecs for transports on byte streams, with bounded decoders, and a parser that lands
- * data straight in its destinations. The wire format is the TCP transport's protocol version 2:
- * every frame is encoded byte for byte as `tcp/frames.ts` encodes it, and only the handshake's
- * magic differs per transport (see handshake.ts). The decoders accept slightly less than TCP's:
- * WRITEV_ACK and GOAWAY must be empty, and nothing but handshake frames may come before the
- * handshake finished. All integers big-endian.
+ * data straight in its destinations. This is the wire protocol, version 2, of every transport
+ * built on the kit (TCP, Unix domain sockets): only the handshake's magic differs per transport
+ * (see handshake.ts). WRITEV_ACK and GOAWAY are empty, and nothing but handshake frames may
+ * come before the handshake finished. All integers big-endian.
  *
  * Every frame: a 12-byte header
  *   u8 version (2) | u8 type | u16 reserved (0) | u32 request id | u32 body length
