@@ -1,10 +1,11 @@
 /**
  * Wire formats the engine owns: the exportable memory descriptor and the peer endpoint.
  *
- * Descriptor v1 (all integers big-endian):
- *   "TWD" u8 version=1 | str8 ownerNodeId | str8 ownerIncarnation | str8 registrationId
- *   | u8 memoryKind (0 host, 1 cuda) | u64 byteLength | u8 count
- *   | count × (str8 transport, u16 length, payload)
+ * Descriptor v2 (all integers big-endian):
+ *   "TWD" u8 version=2 | str8 ownerNodeId | str8 ownerIncarnation | str8 registrationId
+ *   | u8 memoryKind (0 host, 1 cuda) | u64 byteLength | u8 flags (bit 0: range grant)
+ *   | [range grant: u32 rangeCount | runs of (varint length, varint repeat) adding up to rangeCount]
+ *   | u8 count | count × (str8 transport, u16 length, payload)
  *
  * Endpoint v1:
  *   "TWE" u8 version=1 | str8 nodeId | str8 incarnation | str8 hostId | u8 count
@@ -186,7 +187,7 @@ function writeRangeLengths(w: ByteWriter, lengths: Float64Array, byteLength: num
 function readRangeLengths(r: ByteReader, byteLength: number): Float64Array {
   const n = r.u32('range count');
   if (n === 0 || n > MAX_GRANT_RANGES) throw new InvalidInputError(`range count ${n} is not between 1 and ${MAX_GRANT_RANGES}`, { details: { field: 'range count' } });
-  // Every run takes at least 2 bytes: a count the remaining bytes cannot hold is a lie.
+  // The count is bounded (MAX_GRANT_RANGES); the runs must then add up to it exactly.
   const out = new Float64Array(n);
   let i = 0;
   let sum = 0;

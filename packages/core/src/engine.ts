@@ -151,7 +151,6 @@ export class PreparedTransfer {
   /** Ranges after adjacent requests were merged. */
   readonly ranges: number;
   readonly #post: (self: PreparedTransfer, options: TransferOptions) => Promise<TransferReport>;
-  readonly #forget: (self: PreparedTransfer) => void;
   readonly #inFlight = new Set<Promise<unknown>>();
   #closed: Promise<void> | undefined;
 
@@ -163,8 +162,6 @@ export class PreparedTransfer {
     requests: number,
     ranges: number,
     post: (self: PreparedTransfer, options: TransferOptions) => Promise<TransferReport>,
-    forget: (self: PreparedTransfer) => void,
-    live: Set<PreparedTransfer>,
   ) {
     this.transport = transport;
     this.op = op;
@@ -172,8 +169,6 @@ export class PreparedTransfer {
     this.requests = requests;
     this.ranges = ranges;
     this.#post = post;
-    this.#forget = forget;
-    live.add(this);
   }
 
   get closed(): boolean {
@@ -194,7 +189,7 @@ export class PreparedTransfer {
 
   /** Dispose: later posts fail with ClosedError; resolves once posts in flight settled. Idempotent. */
   close(): Promise<void> {
-    this.#closed ??= Promise.allSettled([...this.#inFlight]).then(() => this.#forget(this));
+    this.#closed ??= Promise.allSettled([...this.#inFlight]).then(() => undefined);
     return this.#closed;
   }
 
@@ -460,12 +455,19 @@ function normalizeGrantSpec(spec: GrantSpec, max: number): { regs: readonly Regi
   if (typeof s !== 'object' || s === null || !Array.isArray(s.registrations) || !(s.ranges instanceof Float64Array)) {
     throw new InvalidInputError('a grant needs a list of ranges, or { registrations, ranges: Float64Array }', { details: { field: 'ranges' } });
   }
-  const regs = s.registrations as readonly unknown[];
-  for (const [k, r] of regs.entries()) if (!(r instanceof Registration)) throw new InvalidInputError(`registrations[${k}] must be a Registration`, { details: { field: 'registrations' } });
+  // A private copy: the caller may reuse its arrays. Each registration once, so that ranges
+  // of one registration can be checked against each other (overlap) by index.
+  const regs = [...(s.registrations as readonly unknown[])];
+  const seen = new Set<unknown>();
+  for (const [k, r] of regs.entries()) {
+    if (!(r instanceof Registration)) throw new InvalidInputError(`registrations[${k}] must be a Registration`, { details: { field: 'registrations' } });
+    if (seen.has(r)) throw new InvalidInputError(`registrations[${k}] (${r.id}) is listed twice`, { details: { field: 'registrations' } });
+    seen.add(r);
+  }
   if (s.ranges.length % GRANT_STRIDE !== 0) throw new InvalidInputError(`ranges must hold ${GRANT_STRIDE} numbers per range`, { details: { field: 'ranges' } });
   const count = s.ranges.length / GRANT_STRIDE;
   if (count === 0 || count > max) throw new InvalidInputError(`a grant covers 1 to ${max} ranges, got ${count}`, { details: { field: 'ranges' } });
-  // A private copy: the caller may reuse its array; transports keep this one.
+  // A private copy of the ranges too; transports keep this one.
   return { regs: regs as readonly Registration[], ranges: s.ranges.slice(), count };
 }
 
@@ -749,6 +751,13 @@ export class TransferEngine {
     if (entries.size === 0) {
       throw new InvalidInputError(`no transport could grant these ranges: ${[...skipped].map(([n, r]) => `${n}: ${r}`).join('; ')}`, { details: { field: 'ranges' } });
     }
+    // The transports' grant calls may have awaited: a registration revoked or an engine closed
+    // meanwhile must not end up with a grant nobody will revoke.
+    if (this.#closed || regs.some((reg) => reg.revoked || this.#registrations.get(reg.id) !== reg)) {
+      await undo();
+      if (this.#closed) throw new ClosedError('engine closed while the grant was being made');
+      throw new InvalidInputError('a registration of the grant was revoked while the grant was being made', { details: { field: 'registration' } });
+    }
     const id = this.#ids.next('block');
     const payloads = new Map<string, Uint8Array>();
     for (const [name, e] of entries) payloads.set(name, e.payload);
@@ -1030,10 +1039,9 @@ export class TransferEngine {
     const op = options?.op;
     if (op !== 'read' && op !== 'write') throw new InvalidInputError(`options.op must be 'read' or 'write', got ${String(op)}`, { details: { field: 'op' } });
     const plan = this.#plan(op, peer, requests);
-    return new PreparedTransfer(plan.transport.name, op, plan.bytes, requests.length, plan.count, (self, o) => this.#runPrepared(self, plan, o), (self) => this.#prepared.delete(self), this.#prepared);
+    return new PreparedTransfer(plan.transport.name, op, plan.bytes, requests.length, plan.count, (self, o) => this.#runPrepared(self, plan, o));
   }
 
-  readonly #prepared = new Set<PreparedTransfer>();
   #preparedCounter = 0;
   readonly #preparedState = new WeakMap<PreparedTransfer, { pc: PeerConnection | undefined; split: Split | undefined; first: number; broken: TensorwireError | undefined }>();
 

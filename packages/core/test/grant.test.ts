@@ -105,6 +105,32 @@ describe('range grants', () => {
     await b.close();
   });
 
+  it('a typed spec that lists one registration twice is refused (its ranges could overlap unseen)', async () => {
+    const { a, b } = await pair();
+    const reg = await b.register({ kind: 'host', buffer: new Uint8Array(1000) });
+    await expect(b.grant({ registrations: [reg, reg], ranges: Float64Array.of(0, 0, 32, 1, 16, 32) })).rejects.toBeInstanceOf(InvalidInputError);
+    expect(b.liveGrants).toBe(0);
+    await a.close();
+    await b.close();
+  });
+
+  it('a registration revoked while its grant is being made leaves no live grant behind', async () => {
+    const { a, b, tb } = await pair();
+    const reg = await b.register({ kind: 'host', buffer: new Uint8Array(1000) });
+    const pending = b.grant([{ registration: reg, offset: 0, length: 10 }]);
+    await Promise.resolve();
+    await reg.revoke();
+    const outcome = await pending.then(
+      (g) => g,
+      (e: unknown) => e,
+    );
+    expect(outcome).toBeInstanceOf(InvalidInputError);
+    expect(b.liveGrants).toBe(0);
+    expect(tb.grants).toBe(0);
+    await a.close();
+    await b.close();
+  });
+
   it('revoking a registration revokes its grants first; engine close revokes every grant', async () => {
     const { a, b, tb } = await pair();
     const reg = await b.register({ kind: 'host', buffer: new Uint8Array(1000).fill(4) });

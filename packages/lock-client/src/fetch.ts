@@ -86,8 +86,18 @@ export async function fetchBlocks(
         details: { remoteCode: 'no-grant' },
       });
     }
-    const { endpoint, grant } = decodeFetchDescriptor(leaseDescriptors[0] as Uint8Array);
-    const d: MemoryDescriptor = decodeDescriptor(grant);
+    let endpoint: Uint8Array;
+    let d: MemoryDescriptor;
+    try {
+      const f = decodeFetchDescriptor(leaseDescriptors[0] as Uint8Array);
+      endpoint = f.endpoint;
+      d = decodeDescriptor(f.grant);
+    } catch (e) {
+      throw new RemoteRejectedError(`holder ${lease.holderId} sent a lease descriptor that does not decode: ${e instanceof Error ? e.message : String(e)}`, {
+        cause: e,
+        details: { remoteCode: 'bad-descriptor' },
+      });
+    }
     const lengths = d.rangeLengths ?? Float64Array.of(d.byteLength);
     if (lengths.length !== blockIds.length) {
       throw new RemoteRejectedError(`holder ${lease.holderId} granted ${lengths.length} ranges for ${blockIds.length} blocks`, { details: { remoteCode: 'grant-shape' } });

@@ -106,7 +106,10 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     } catch (e) {
       failed++;
       slots.delete(sessionId);
-      throw e;
+      // The requester's input was checked by the lease table; a grant that cannot be made is the
+      // holder's problem (a revoked registration, a bad block map, no transport), not INVALID_ARGUMENT.
+      if (e instanceof LeaseError) throw e;
+      throw new LeaseError('UNAVAILABLE', `the holder could not grant the lease's blocks: ${e instanceof Error ? e.message : String(e)}`);
     }
     issued++;
     const slot = slots.get(sessionId);

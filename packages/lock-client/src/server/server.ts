@@ -285,6 +285,12 @@ export class LockServer implements AsyncDisposable {
       this.#resolveFailed(cb, lease, new Error(`resolver returned ${Array.isArray(descriptors) ? descriptors.length : typeof descriptors} entries for ${lease.blockIds.length} blocks`));
       return;
     }
+    // Bytes only: anything else would fail in the response encoder, after the lease was granted.
+    const isBytes = (d: unknown): boolean => d instanceof Uint8Array || (Array.isArray(d) && d.every((x) => x instanceof Uint8Array));
+    if (descriptors !== undefined && !descriptors.every((d) => d === undefined || isBytes(d))) {
+      this.#resolveFailed(cb, lease, new Error('resolver returned a block descriptor that is not bytes or a list of bytes'));
+      return;
+    }
     for (let i = 0; i < lease.blockIds.length; i++) {
       const d = descriptors?.[i];
       const list = d === undefined ? EMPTY : d instanceof Uint8Array ? [d] : d;
