@@ -7,90 +7,25 @@
  * Most cases talk to the holder over a raw socket, as a hostile peer would: it holds a grant's
  * token and forges everything else.
  */
-import net from 'node:net';
+import type net from 'node:net';
 import fc from 'fast-check';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { ErrorCode, InvalidInputError, TransferEngine, silentLogger, type Grant, type TensorwireError } from '../src/index.js';
 import * as tcpFrames from '../src/tcp/frames.js';
-import { TcpTransport, type TcpTransportOptions } from '../src/tcp/transport.js';
+import { TcpTransport } from '../src/tcp/transport.js';
+import { hostile, holderNode, type Frame } from './helpers/raw-peer.js';
+
+let nodes = 0;
 import { pattern } from '../src/testing/pattern.js';
 import { GRANT_STRIDE, type GrantRanges, type NodeIdentity, type TransportRegistration } from '../src/transport.js';
 
-const { FrameType, HEADER_BYTES, RANGE_ENTRY_BYTES, RangeEntry, decodeError, decodeVecHead, encodeHello, encodeReadvReq, encodeWritevReq, vecHeadBytes } = tcpFrames;
+const { FrameType, HEADER_BYTES, RANGE_ENTRY_BYTES, RangeEntry, decodeError, decodeVecHead, encodeReadvReq, encodeWritevReq, vecHeadBytes } = tcpFrames;
 type VecRange = tcpFrames.VecRange;
 
-interface Frame {
-  type: number;
-  reqId: number;
-  body: Buffer;
-}
-
-function parseFrames(buf: Buffer): Frame[] {
-  const out: Frame[] = [];
-  let off = 0;
-  while (buf.length - off >= HEADER_BYTES) {
-    const len = buf.readUInt32BE(off + 8);
-    if (buf.length - off < HEADER_BYTES + len) break;
-    out.push({ type: buf.readUInt8(off + 1), reqId: buf.readUInt32BE(off + 4), body: buf.subarray(off + HEADER_BYTES, off + HEADER_BYTES + len) });
-    off += HEADER_BYTES + len;
-  }
-  return out;
-}
-
-let nodes = 0;
-async function holderNode(options: TcpTransportOptions = {}): Promise<{ t: TcpTransport; id: NodeIdentity; port: number }> {
-  const t = new TcpTransport(options);
-  const id = { nodeId: `granter${++nodes}`, incarnation: `g${nodes}`, hostId: 'h1' };
-  await t.start({ identity: id, logger: silentLogger, inbound: () => undefined });
-  return { t, id, port: t.port };
-}
-
-/**
- * A peer that completes a real handshake, then sends `chunks`. Resolves with what the holder
- * sent after HELLO_ACK when `until` is satisfied, the holder closes the socket, or after `ms`.
- * With `pauseMs` it stops reading for that long (a stalled peer).
- */
-function hostile(
-  target: { id: NodeIdentity; port: number },
-  chunks: Uint8Array[],
-  options: { ms?: number; until?: (frames: Frame[]) => boolean; pauseMs?: number; socket?: (s: net.Socket) => void } = {},
-): Promise<{ frames: Frame[]; closedByPeer: boolean }> {
-  return new Promise((resolve) => {
-    const s = net.connect({ port: target.port, host: '127.0.0.1' });
-    options.socket?.(s);
-    let got = Buffer.alloc(0);
-    let byUs = false;
-    const frames = (): Frame[] => parseFrames(got).slice(1);
-    const finish = (): void => {
-      if (s.destroyed) return;
-      byUs = true;
-      s.destroy();
-    };
-    s.on('error', () => undefined);
-    s.on('data', (d: Buffer) => {
-      got = Buffer.concat([got, d]);
-      if (options.until?.(frames())) finish();
-    });
-    s.on('close', () => {
-      clearTimeout(timer);
-      resolve({ frames: frames(), closedByPeer: !byUs });
-    });
-    const timer = setTimeout(finish, options.ms ?? 5000);
-    s.on('connect', () => {
-      const id = target.id;
-      s.write(encodeHello({ connectionId: new Uint8Array(16).map(() => Math.floor(Math.random() * 256)), streamIndex: 0, streamCount: 1, nodeId: 'mallory', incarnation: 'm1', hostId: 'h', expectedNodeId: id.nodeId, expectedIncarnation: id.incarnation, maxChunkBytes: 1 << 24 }));
-      for (const c of chunks) s.write(c);
-      if (options.pauseMs !== undefined) {
-        s.pause();
-        setTimeout(() => s.resume(), options.pauseMs);
-      }
-    });
-  });
-}
 
 /** One request frame, answered: the frames back, in order. */
 async function ask(target: { id: NodeIdentity; port: number }, wire: Buffer[]): Promise<Frame[]> {
-  const res = await hostile(target, wire, { until: (f) => f.length >= wire.length });
+  const res = await hostile(target, wire, { ms: 5000, until: (f) => f.length >= wire.length });
   expect(res.closedByPeer).toBe(false);
   expect(res.frames.map((f) => f.reqId)).toEqual(wire.map((w) => w.readUInt32BE(4)));
   return res.frames;
@@ -193,7 +128,7 @@ describe('tcp range grants against a hostile peer holding a token', () => {
   const fake = new Uint8Array(16).fill(7);
 
   beforeAll(async () => {
-    holder = await holderNode({ maxChunkBytes: MAX });
+    holder = await holderNode('granter', { maxChunkBytes: MAX });
     guard = new Uint8Array(SIZE * 3).fill(0x5a);
     inner = guard.subarray(SIZE, 2 * SIZE);
     inner.set(pattern(SIZE, 21));
@@ -436,7 +371,7 @@ describe('tcp range grants against a hostile peer holding a token', () => {
 
 describe('tcp grant revocation', () => {
   it('revokeGrant waits for in-flight use of that grant only; a peer that stalls it is cut off after the grace', async () => {
-    const holder = await holderNode({ revokeGraceMs: 300, sendHighWaterMark: 64 * 1024 });
+    const holder = await holderNode('granter', { revokeGraceMs: 300, sendHighWaterMark: 64 * 1024 });
     try {
       const size = 32 * 1024 * 1024;
       const r = await holder.t.register({ kind: 'host', buffer: pattern(size, 25) });
@@ -469,7 +404,7 @@ describe('tcp grant revocation', () => {
   });
 
   it('revoking a registration waits for in-flight use of the grants over it too', async () => {
-    const holder = await holderNode({ revokeGraceMs: 300, sendHighWaterMark: 64 * 1024 });
+    const holder = await holderNode('granter', { revokeGraceMs: 300, sendHighWaterMark: 64 * 1024 });
     try {
       const r = await holder.t.register({ kind: 'host', buffer: pattern(16 * 1024 * 1024, 28) });
       const g = holder.t.grant(grantRanges([r.handle], [[0, 1024, 8 * 1024 * 1024]]));
@@ -573,7 +508,7 @@ describe('tcp grants through the engine, revoked while transfers are in flight',
 
 describe('tcp grant cost', () => {
   it('a grant over 10 or over 10,000 ranges is one token-table entry and a 16-byte payload; revoking it removes that entry', async () => {
-    const holder = await holderNode();
+    const holder = await holderNode('granter');
     try {
       const r = await holder.t.register({ kind: 'host', buffer: new Uint8Array(10_000 * 64) });
       const base = holder.t.grantCount;

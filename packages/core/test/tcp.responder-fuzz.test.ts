@@ -1,83 +1,13 @@
-import net from 'node:net';
 import fc from 'fast-check';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import { silentLogger, type Logger } from '../src/logger.js';
 import * as tcpFrames from '../src/tcp/frames.js';
-import { TcpTransport, type TcpTransportOptions } from '../src/tcp/transport.js';
-import { createTransferBatch, type NodeIdentity } from '../src/transport.js';
+import { TcpTransport } from '../src/tcp/transport.js';
+import { hostile, holderNode, type Frame } from './helpers/raw-peer.js';
+import { createTransferBatch } from '../src/transport.js';
 
-const { FrameType, HEADER_BYTES, decodeError, encodeHello, encodeReadvReq, encodeWritevReq, frameHeader, vecHeadBytes } = tcpFrames;
+const { FrameType, HEADER_BYTES, decodeError, encodeReadvReq, encodeWritevReq, frameHeader, vecHeadBytes } = tcpFrames;
 
-interface Frame {
-  type: number;
-  reqId: number;
-  body: Buffer;
-}
-
-function parseFrames(buf: Buffer): Frame[] {
-  const out: Frame[] = [];
-  let off = 0;
-  while (buf.length - off >= HEADER_BYTES) {
-    const len = buf.readUInt32BE(off + 8);
-    if (buf.length - off < HEADER_BYTES + len) break;
-    out.push({ type: buf.readUInt8(off + 1), reqId: buf.readUInt32BE(off + 4), body: buf.subarray(off + HEADER_BYTES, off + HEADER_BYTES + len) });
-    off += HEADER_BYTES + len;
-  }
-  return out;
-}
-
-let nodes = 0;
-async function holderNode(options: TcpTransportOptions = {}, logger: Logger = silentLogger): Promise<{ t: TcpTransport; id: NodeIdentity; port: number }> {
-  const t = new TcpTransport(options);
-  const id = { nodeId: `victim${++nodes}`, incarnation: `v${nodes}`, hostId: 'h1' };
-  await t.start({ identity: id, logger, inbound: () => undefined });
-  return { t, id, port: t.port };
-}
-
-interface Hostile {
-  /** Everything the holder sent after HELLO_ACK, as frames. */
-  frames: Frame[];
-  /** The holder closed the socket (we did not). */
-  closedByPeer: boolean;
-}
-
-/**
- * A hostile peer: a real handshake, then arbitrary bytes. Resolves when the holder closes the
- * socket, when `until` is satisfied by what came back, or after `ms`.
- */
-function hostile(target: { id: NodeIdentity; port: number }, chunks: Uint8Array[], options: { ms?: number; until?: (frames: Frame[]) => boolean; pauseMs?: number } = {}): Promise<Hostile> {
-  return new Promise((resolve) => {
-    const s = net.connect({ port: target.port, host: '127.0.0.1' });
-    let got = Buffer.alloc(0);
-    let byUs = false;
-    const frames = (): Frame[] => parseFrames(got).slice(1); // the first is HELLO_ACK
-    const finish = (): void => {
-      if (s.destroyed) return;
-      byUs = true;
-      s.destroy();
-    };
-    s.on('error', () => undefined);
-    s.on('data', (d: Buffer) => {
-      got = Buffer.concat([got, d]);
-      if (options.until?.(frames())) finish();
-    });
-    s.on('close', () => {
-      clearTimeout(timer);
-      resolve({ frames: frames(), closedByPeer: !byUs });
-    });
-    const timer = setTimeout(finish, options.ms ?? 40);
-    s.on('connect', () => {
-      const id = target.id;
-      s.write(encodeHello({ connectionId: new Uint8Array(16).map(() => Math.floor(Math.random() * 256)), streamIndex: 0, streamCount: 1, nodeId: 'mallory', incarnation: 'm1', hostId: 'h', expectedNodeId: id.nodeId, expectedIncarnation: id.incarnation, maxChunkBytes: 1 << 24 }));
-      for (const c of chunks) s.write(c);
-      // A paused socket reads nothing, so it also does not see the holder close it until resumed.
-      if (options.pauseMs !== undefined) {
-        s.pause();
-        setTimeout(() => s.resume(), options.pauseMs);
-      }
-    });
-  });
-}
 
 /**
  * A hostile peer against a victim holder: it completes a real handshake, then sends arbitrary
@@ -97,7 +27,7 @@ describe('tcp responder against a hostile peer', () => {
   const fake = new Uint8Array(16).fill(7);
 
   beforeAll(async () => {
-    holder = await holderNode({ maxChunkBytes: MAX });
+    holder = await holderNode('victim', { maxChunkBytes: MAX });
     // The registration is the middle of a larger buffer: the guard bands must never change.
     guard = new Uint8Array(SIZE * 3).fill(0x5a);
     inner = guard.subarray(SIZE, 2 * SIZE);
@@ -251,14 +181,14 @@ describe('tcp responder against a hostile peer', () => {
   it('arbitrary bytes after the handshake never crash the responder, which keeps serving an honest requester', async () => {
     await fc.assert(
       fc.asyncProperty(fc.array(fc.uint8Array({ minLength: 1, maxLength: 64 }), { minLength: 1, maxLength: 5 }), async (chunks) => {
-        await hostile(holder, chunks);
+        await hostile(holder, chunks, { ms: 40 });
       }),
       { numRuns: 60 },
     );
     // Random bytes behind a valid vector header (counts and tables chosen by fast-check).
     await fc.assert(
       fc.asyncProperty(fc.constantFrom(FrameType.ReadvReq, FrameType.WritevReq), fc.uint8Array({ minLength: 8, maxLength: 200 }), async (type, body) => {
-        await hostile(holder, [frameHeader(type, 1, body.length), body]);
+        await hostile(holder, [frameHeader(type, 1, body.length), body], { ms: 40 });
       }),
       { numRuns: 60 },
     );
@@ -289,7 +219,7 @@ describe('tcp responder backpressure is bounded', () => {
     for (const limits of [{ maxQueuedRequests: 8 }, { maxQueuedRequestBytes: 4096 }]) {
       const warnings: string[] = [];
       const logger: Logger = { ...silentLogger, warn: (m, f) => void warnings.push(`${m} ${JSON.stringify(f)}`) };
-      const holder = await holderNode({ sendHighWaterMark: 64 * 1024, ...limits }, logger);
+      const holder = await holderNode('victim', { sendHighWaterMark: 64 * 1024, ...limits }, logger);
       try {
         const mem = new Uint8Array(4 * 1024 * 1024).fill(1);
         const token = (await holder.t.register({ kind: 'host', buffer: mem })).payload;
@@ -323,7 +253,7 @@ describe('tcp responder backpressure is bounded', () => {
   });
 
   it('within the bound, queued requests are all served once the peer reads again', async () => {
-    const holder = await holderNode({ sendHighWaterMark: 64 * 1024 });
+    const holder = await holderNode('victim', { sendHighWaterMark: 64 * 1024 });
     try {
       const mem = new Uint8Array(1024 * 1024);
       for (let i = 0; i < mem.length; i++) mem[i] = i & 0xff;
