@@ -16,6 +16,7 @@ import { FrameType, HEADER_BYTES, decodeError, encodeError, encodeReadvReq, fram
 import { HandshakeCodec, RefusalCode, ackProblem, helloRefusal, type Hello } from '../src/kit/handshake.js';
 import type { NodeIdentity, TransportConnection } from '../src/transport.js';
 import { UdsTransport, encodeUdsEndpoint, type UdsTransportOptions } from '../src/uds/transport.js';
+import { parseFrames, type Frame } from './helpers/raw-peer.js';
 
 const codec = new HandshakeCodec('TWU2');
 const HOST = 'host1';
@@ -41,22 +42,6 @@ async function node(options: UdsTransportOptions = {}, identity?: Partial<NodeId
   return { t, id, inbound, path: t.path as string };
 }
 
-interface Frame {
-  type: number;
-  reqId: number;
-  body: Buffer;
-}
-function parseFrames(buf: Buffer): Frame[] {
-  const out: Frame[] = [];
-  let off = 0;
-  while (buf.length - off >= HEADER_BYTES) {
-    const len = buf.readUInt32BE(off + 8);
-    if (buf.length - off < HEADER_BYTES + len) break;
-    out.push({ type: buf.readUInt8(off + 1), reqId: buf.readUInt32BE(off + 4), body: buf.subarray(off + HEADER_BYTES, off + HEADER_BYTES + len) });
-    off += HEADER_BYTES + len;
-  }
-  return out;
-}
 
 /** A raw client: writes `chunks`, collects what comes back until the other side closes. */
 function raw(path: string, chunks: Uint8Array[]): { socket: net.Socket; closed: Promise<Frame[]> } {
