@@ -290,6 +290,11 @@ export class Registration {
   }
 }
 
+/** Revoke the transports' grants of one engine grant; never rejects. */
+function revokeGrantEntries(entries: Iterable<RegistrationEntry>): Promise<PromiseSettledResult<void>[]> {
+  return Promise.allSettled([...entries].map((e) => (e.transport.revokeGrant as (h: object) => Promise<void>).call(e.transport, e.handle)));
+}
+
 /** A range of a registration, for {@link TransferEngine.grant}. */
 export interface GrantRange {
   registration: Registration;
@@ -355,7 +360,7 @@ export class Grant {
   revoke(): Promise<void> {
     if (this.#revoked) return this.#revoked;
     this.#onRevoke(this);
-    this.#revoked = Promise.allSettled([...this.#entries.values()].map((e) => (e.transport.revokeGrant as (h: object) => Promise<void>).call(e.transport, e.handle))).then(() => undefined);
+    this.#revoked = revokeGrantEntries(this.#entries.values()).then(() => undefined);
     return this.#revoked;
   }
   [Symbol.asyncDispose](): Promise<void> {
@@ -711,7 +716,7 @@ export class TransferEngine {
     const wanted = options.transports ?? [...this.#transports.keys()];
     const entries = new Map<string, RegistrationEntry>();
     const skipped = new Map<string, string>();
-    const undo = (): Promise<unknown> => Promise.allSettled([...entries.values()].map((e) => (e.transport.revokeGrant as (h: object) => Promise<void>).call(e.transport, e.handle)));
+    const undo = (): Promise<unknown> => revokeGrantEntries(entries.values());
     for (const name of wanted) {
       const t = this.#transports.get(name);
       if (!t) throw new InvalidInputError(`transport ${JSON.stringify(name)} is not registered with this engine`, { details: { field: 'transports' } });
