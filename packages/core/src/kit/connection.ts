@@ -17,18 +17,31 @@
  * - `onClose` listeners run exactly once, after every socket closed: with `undefined` after an
  *   orderly retirement, otherwise with the error that ended it (the one given to `close()`, or
  *   the ConnectionBrokenError of a failed stream). A listener added after that runs once, soon.
+ * - Idle rule ({@link KitConnection.startIdleTimer}): a connection on which no byte moved in
+ *   either direction for `idleTimeoutMs` and nothing is in flight (no request of this side
+ *   awaiting its answer, nothing queued or unwritten, no WRITEV being received) is retired as
+ *   if the peer had asked: the `onRetire` listeners run (the engine drops it from its table, so
+ *   the next transfer dials afresh) and GOAWAY goes out on every stream. In-flight work resets
+ *   the clock, so the idle rule never cuts it; a peer that has sent only part of a frame has
+ *   nothing in flight.
  */
 import { ClosedError, ConnectionBrokenError, InvalidInputError, SessionInvalidatedError, TimedOutError, type TensorwireError } from '../errors.js';
 import type { ExecuteOptions, NodeIdentity, TransferBatch, TransportConnection } from '../transport.js';
 import type { BatchLimits } from './batch.js';
-import type { FramedStream, StreamOwner, StreamTuning } from './stream.js';
+import type { FramedStream, PeerEvent, PeerLedger, StreamOwner, StreamTuning } from './stream.js';
 
 /** What a connection needs from its transport. */
 export interface ConnectionHost {
   readonly name: string;
   readonly retireTimeoutMs: number;
   readonly tuning: StreamTuning;
-  /** The connection is closed: drop it from the transport's tables. */
+  /** A connection with no traffic and nothing in flight for this long is retired. */
+  readonly idleTimeoutMs: number;
+  /** The peer's ledger (the transport keeps one per node id while connections to it exist). */
+  ledgerFor(nodeId: string): PeerLedger;
+  /** Log and count a bound or policy applied to a peer. */
+  peerEvent(event: PeerEvent, peer: string | undefined, message: string): void;
+  /** The connection is closed: drop it from the transport's tables (and release its ledger). */
   forget(connection: KitConnection): void;
 }
 
@@ -39,6 +52,7 @@ export class KitConnection implements TransportConnection, StreamOwner {
   readonly streams: number;
   /** The smaller of the two sides' chunk limits, agreed in the handshake. */
   maxChunkBytes: number;
+  readonly ledger: PeerLedger;
   readonly #host: ConnectionHost;
   readonly #streams: FramedStream[] = [];
   readonly #doneStreams = new Set<FramedStream>();
@@ -50,6 +64,10 @@ export class KitConnection implements TransportConnection, StreamOwner {
   #retired: Promise<void> | undefined;
   #lastProgress = Date.now();
   #retireTimer: NodeJS.Timeout | undefined;
+  #idleTimer: NodeJS.Timeout | undefined;
+  /** Bytes written on all streams when the idle rule last looked, and when that changed. */
+  #written = 0;
+  #lastActivity = Date.now();
   #limits: BatchLimits | undefined;
 
   constructor(host: ConnectionHost, peer: NodeIdentity, initiator: string, streams: number, maxChunkBytes: number) {
@@ -59,6 +77,7 @@ export class KitConnection implements TransportConnection, StreamOwner {
     this.initiator = initiator;
     this.streams = streams;
     this.maxChunkBytes = maxChunkBytes;
+    this.ledger = host.ledgerFor(peer.nodeId);
   }
 
   get isOpen(): boolean {
@@ -131,6 +150,52 @@ export class KitConnection implements TransportConnection, StreamOwner {
     return this.#retired;
   }
 
+  /** Work in flight on any stream (see the idle rule above). */
+  get busy(): boolean {
+    return this.#streams.some((s) => s?.busy === true);
+  }
+
+  /** Start the idle rule (the transport does, once the connection is established). */
+  startIdleTimer(): void {
+    if (this.#idleTimer || this.#state !== 'open') return;
+    this.#lastActivity = Date.now();
+    this.#written = this.#bytesWritten();
+    this.#armIdle(this.#host.idleTimeoutMs);
+  }
+
+  #bytesWritten(): number {
+    let n = 0;
+    for (const s of this.#streams) if (s) n += s.socket.bytesWritten;
+    return n;
+  }
+
+  #armIdle(ms: number): void {
+    this.#idleTimer = setTimeout(() => this.#checkIdle(), ms);
+    this.#idleTimer.unref();
+  }
+
+  #checkIdle(): void {
+    this.#idleTimer = undefined;
+    if (this.#state !== 'open') return;
+    const timeout = this.#host.idleTimeoutMs;
+    const now = Date.now();
+    const written = this.#bytesWritten();
+    // Bytes sent, or work in flight, count as activity: the idle clock starts after them.
+    if (written !== this.#written || this.busy) {
+      this.#written = written;
+      this.#lastActivity = now;
+    }
+    const idle = now - Math.max(this.#lastActivity, this.#lastProgress);
+    if (idle < timeout) {
+      this.#armIdle(timeout - idle);
+      return;
+    }
+    this.#host.peerEvent('idle', this.peer.nodeId, `no traffic and nothing in flight for ${idle} ms (idleTimeoutMs ${timeout}); connection retired`);
+    this.#state = 'retiring';
+    for (const l of this.#retireListeners.splice(0)) l();
+    void this.retire();
+  }
+
   #armRetireTimer(): void {
     if (this.#retireTimer || this.#closed) return;
     const timeout = this.#host.retireTimeoutMs;
@@ -168,6 +233,8 @@ export class KitConnection implements TransportConnection, StreamOwner {
     this.#closeError = error;
     if (this.#retireTimer) clearTimeout(this.#retireTimer);
     this.#retireTimer = undefined;
+    if (this.#idleTimer) clearTimeout(this.#idleTimer);
+    this.#idleTimer = undefined;
     for (const s of this.#streams) s?.socket.destroy();
     // Destroying the sockets stops all reads into and sends from user memory; only now fail requests.
     const failWith = error ?? new SessionInvalidatedError(`connection to ${this.peer.nodeId} was retired`);

@@ -90,8 +90,80 @@ export const DEFAULT_TUNING: StreamTuning = Object.freeze({
   cancelGraceMs: 200,
 });
 
-/** Bookkeeping counted per queued request, on top of its head. */
-const QUEUED_REQUEST_OVERHEAD = 64;
+/**
+ * Bookkeeping counted per queued request (or queued reply), on top of its bytes: the entry, the
+ * copied head's Buffer object and its slot, measured at about 190 bytes for a 44-byte head.
+ */
+export const QUEUED_REQUEST_OVERHEAD = 160;
+/** Bookkeeping counted per buffer a reply hands to the socket (Node's write queue entry, the view). */
+export const SEND_PART_OVERHEAD = 160;
+
+/** Why the kit refused, cut or retired a peer's connection (the `event` label of `tensorwire_transport_peer_events_total`). */
+export type PeerEvent =
+  | 'request_queue'
+  | 'protocol_violation'
+  | 'connections'
+  | 'peer_connections'
+  | 'pending_handshakes'
+  | 'handshake_timeout'
+  | 'idle';
+
+/**
+ * What one peer (a node id) holds in this transport's responder, summed over every stream of
+ * every connection with it, in either direction: requests and replies waiting in the serve
+ * queues, and the bytes allocated for its replies that the sockets have not written yet. The
+ * bounds ({@link StreamContext.maxQueuedRequests}, `maxQueuedRequestBytes`, `sendHighWaterMark`)
+ * apply to these sums, so a peer cannot multiply them by opening more streams or connections.
+ */
+export class PeerLedger {
+  readonly nodeId: string;
+  /** Requests and replies waiting in this peer's serve queues. */
+  queuedRequests = 0;
+  /** Their bytes, bookkeeping included ({@link QUEUED_REQUEST_OVERHEAD} each). */
+  queuedBytes = 0;
+  /** Bytes copied or allocated for this peer's replies and not yet written, bookkeeping included. */
+  sendBytes = 0;
+  /** Inbound connections from this peer, established or still in their handshakes. */
+  inbound = 0;
+  /** Connections (either direction) that use this ledger. */
+  refs = 0;
+  readonly #sendLimit: number;
+  /** Streams whose queue is waiting for `sendBytes` to fall under the limit. */
+  readonly #waiting = new Set<FramedStream>();
+
+  constructor(nodeId: string, sendLimit: number) {
+    this.nodeId = nodeId;
+    this.#sendLimit = sendLimit;
+  }
+
+  get sendHeld(): boolean {
+    return this.sendBytes > this.#sendLimit;
+  }
+
+  charge(n: number): void {
+    this.sendBytes += n;
+  }
+
+  /** Written (or dropped): once under the limit again, the streams waiting on it serve their queues. */
+  release(n: number): void {
+    const held = this.sendHeld;
+    this.sendBytes -= n;
+    if (held && !this.sendHeld && this.#waiting.size > 0) for (const s of [...this.#waiting]) s.serveQueued();
+  }
+
+  wait(stream: FramedStream): void {
+    this.#waiting.add(stream);
+  }
+
+  unwait(stream: FramedStream): void {
+    this.#waiting.delete(stream);
+  }
+
+  /** Nothing queued or unwritten. */
+  get empty(): boolean {
+    return this.queuedRequests === 0 && this.queuedBytes === 0 && this.sendBytes === 0;
+  }
+}
 
 /**
  * Reply buffers for coalesced small ranges, reused: a fresh large buffer costs a page fault per
@@ -122,11 +194,16 @@ export interface StreamContext {
   readonly sendBuffers: SendBufferPool;
   /** This side's chunk limit: the most data a frame from the peer may carry, and a request may ask for. */
   readonly maxChunkBytes: number;
+  /** A stream's serve queue fills while more than this waits to be sent on it, or its peer's {@link PeerLedger.sendBytes} exceed it. */
   readonly sendHighWaterMark: number;
+  /** Most requests (and replies) one peer may have waiting in the serve queues; past it the stream is disconnected. */
   readonly maxQueuedRequests: number;
+  /** Most bytes of them one peer may have waiting. */
   readonly maxQueuedRequestBytes: number;
   readonly tuning: StreamTuning;
   readonly logger: Logger | undefined;
+  /** A bound or policy hit a peer (logged and counted by the transport). */
+  peerEvent(event: PeerEvent, peer: string | undefined, message: string): void;
 }
 
 /** What a stream needs from its connection (see connection.ts). */
@@ -134,6 +211,8 @@ export interface StreamOwner {
   readonly peer: NodeIdentity;
   /** The chunk limit agreed with the peer. */
   readonly maxChunkBytes: number;
+  /** What this peer holds in the responder, shared by all its streams and connections. */
+  readonly ledger: PeerLedger;
   /** Bytes arrived: a retiring connection that still moves data is not stuck. */
   progress(): void;
   /** The stream failed or closed. `hadError` false: the socket closed by itself (maybe orderly). */
@@ -179,6 +258,14 @@ interface IncomingWrite {
   readonly range: number;
 }
 
+/** A request or reply waiting in a serve queue: a READV's copied head, or an encoded WRITEV reply. */
+interface Queued {
+  readonly reqId: number;
+  readonly head: Buffer | undefined;
+  readonly reply: Buffer | undefined;
+  readonly cost: number;
+}
+
 export interface FramedStreamOptions {
   /** A parser created before the socket (Node asks an `onread` socket for its first buffer inside `net.connect()`). */
   readonly parser?: FrameParser;
@@ -195,9 +282,10 @@ export class FramedStream implements FrameSink, GrantUser {
   /** Calls in progress that pin local registrations. */
   readonly #ops = new Set<Op>();
   #nextId = 1;
-  /** READV_REQs waiting while the send queue is above the high-water mark (heads copied). */
-  #serveQueue: { reqId: number; head: Buffer }[] = [];
+  /** READV_REQs (heads copied) and WRITEV replies waiting while the socket or the peer's ledger is above the high-water mark. */
+  #serveQueue: Queued[] = [];
   #serveHead = 0;
+  /** What this stream's queue has charged to its peer's ledger. */
   #queuedBytes = 0;
   #sentGoaway = false;
   #receivedGoaway = false;
@@ -233,7 +321,7 @@ export class FramedStream implements FrameSink, GrantUser {
     this.closed = new Promise((resolve) => socket.once('close', () => resolve()));
     socket.on('error', (e) => this.#failed(new ConnectionBrokenError(`socket error: ${e.message}`, { cause: e }), true));
     socket.on('close', () => this.#failed(new ConnectionBrokenError('the peer closed the connection'), false));
-    socket.on('drain', () => this.#serveQueued());
+    socket.on('drain', () => this.serveQueued());
   }
 
   /** Join a connection (the dialer does at once; the acceptor once HELLO said which connection). */
@@ -258,6 +346,20 @@ export class FramedStream implements FrameSink, GrantUser {
 
   get pendingCount(): number {
     return this.#pending.size;
+  }
+
+  /** Requests and replies waiting in this stream's serve queue. */
+  get queuedCount(): number {
+    return this.#serveQueue.length - this.#serveHead;
+  }
+
+  /**
+   * Work in flight on this stream: requests this side issued and awaits, calls still pinning
+   * memory, requests or replies queued or unwritten, a WRITEV being received. The idle rule
+   * never retires a connection with any of it.
+   */
+  get busy(): boolean {
+    return this.#pending.size > 0 || this.#ops.size > 0 || this.#serveHead < this.#serveQueue.length || this.socket.writableLength > 0 || this.#incomingWrite !== undefined || this.#armed !== undefined;
   }
 
   #failed(error: TensorwireError, hadError: boolean): void {
@@ -315,6 +417,7 @@ export class FramedStream implements FrameSink, GrantUser {
 
   #protocolError(e: unknown): void {
     const err = toTensorwireError(e, InvalidInputError);
+    this.#ctx.peerEvent('protocol_violation', this.#owner?.peer.nodeId, err.message);
     this.#failed(new ConnectionBrokenError(`protocol violation from peer: ${err.message}`, { cause: err }), true);
   }
 
@@ -373,7 +476,7 @@ export class FramedStream implements FrameSink, GrantUser {
 
   onReadvRequest(reqId: number, head: Buffer): void {
     if (!this.#live('READV_REQ')) return;
-    if (this.#serveHead < this.#serveQueue.length || this.#overHighWater()) this.#enqueue(reqId, head);
+    if (this.#serveHead < this.#serveQueue.length || this.#held()) this.#enqueue(reqId, head, undefined);
     else this.#serveReadv(reqId, head);
   }
 
@@ -432,12 +535,11 @@ export class FramedStream implements FrameSink, GrantUser {
     const w = this.#incomingWrite;
     this.#incomingWrite = undefined;
     if (!w) return;
-    if (w.pinned) {
-      for (const g of w.pinned) g.release(this);
-      this.#send([frameHeader(FrameType.WritevAck, reqId, 0)]);
-    } else {
-      this.#send([encodeError(reqId, w.code, w.message, w.range)]);
-    }
+    if (w.pinned) for (const g of w.pinned) g.release(this);
+    const reply = w.pinned ? frameHeader(FrameType.WritevAck, reqId, 0) : encodeError(reqId, w.code, w.message, w.range);
+    // A peer that floods WRITEVs and never reads the replies queues them like READVs: bounded.
+    if (this.#serveHead < this.#serveQueue.length || this.#held()) this.#enqueue(reqId, undefined, reply);
+    else this.#sendCharged([reply], reply.length);
   }
 
   // --- serving -------------------------------------------------------------------------
@@ -445,7 +547,8 @@ export class FramedStream implements FrameSink, GrantUser {
   #serveReadv(reqId: number, head: Buffer): void {
     const checked = this.#ctx.grants.check(head, -1, this.#ctx.maxChunkBytes, this.#entries);
     if (!Array.isArray(checked)) {
-      this.#send([encodeError(reqId, checked.code, checked.message, checked.range)]);
+      const err = encodeError(reqId, checked.code, checked.message, checked.range);
+      this.#sendCharged([err], err.length);
       return;
     }
     const zeroCopy = this.#ctx.tuning.zeroCopyMinBytes;
@@ -485,39 +588,67 @@ export class FramedStream implements FrameSink, GrantUser {
     }
     if (pos > piece) parts.push(out.subarray(piece, pos));
     for (const g of checked) g.acquire(this);
+    // The copy (header and small ranges) and the socket's bookkeeping per buffer are memory held
+    // for this peer until written: charged to its ledger, so its replies in flight are bounded.
+    const ledger = (this.#owner as StreamOwner).ledger;
+    const cost = HEADER_BYTES + small + parts.length * SEND_PART_OVERHEAD;
+    ledger.charge(cost);
     this.#send(parts, () => {
       for (const g of checked) g.release(this);
       pool.give(out);
+      ledger.release(cost);
     });
   }
 
-  #overHighWater(): boolean {
-    return this.socket.writableLength > this.#ctx.sendHighWaterMark;
+  /** A reply of the responder (an ERROR, a WRITEV_ACK), charged to the peer's ledger until written. */
+  #sendCharged(parts: Uint8Array[], bytes: number): void {
+    const ledger = (this.#owner as StreamOwner).ledger;
+    const cost = bytes + parts.length * SEND_PART_OVERHEAD;
+    ledger.charge(cost);
+    this.#send(parts, () => ledger.release(cost));
   }
 
-  #enqueue(reqId: number, head: Buffer): void {
+  /** Serving waits: this socket has more than the high-water mark to send, or the peer's replies in flight do. */
+  #held(): boolean {
+    return this.socket.writableLength > this.#ctx.sendHighWaterMark || (this.#owner as StreamOwner).ledger.sendHeld;
+  }
+
+  #enqueue(reqId: number, head: Buffer | undefined, reply: Buffer | undefined): void {
     const c = this.#ctx;
-    const queued = this.#serveQueue.length - this.#serveHead;
-    const bytes = this.#queuedBytes + head.length + QUEUED_REQUEST_OVERHEAD;
-    if (queued + 1 > c.maxQueuedRequests || bytes > c.maxQueuedRequestBytes) {
-      const reason = `peer queued ${queued + 1} requests (${bytes} bytes) without reading the replies, over the limit of ${c.maxQueuedRequests} requests or ${c.maxQueuedRequestBytes} bytes`;
-      c.logger?.warn(`${c.name} peer disconnected: request queue over its bound`, { peer: this.#owner?.peer.nodeId, reason });
+    const ledger = (this.#owner as StreamOwner).ledger;
+    const cost = (head ?? (reply as Buffer)).length + QUEUED_REQUEST_OVERHEAD;
+    const requests = ledger.queuedRequests + 1;
+    const bytes = ledger.queuedBytes + cost;
+    if (requests > c.maxQueuedRequests || bytes > c.maxQueuedRequestBytes) {
+      const reason = `peer ${ledger.nodeId} queued ${requests} requests (${bytes} bytes) without reading the replies, over the limit of ${c.maxQueuedRequests} requests or ${c.maxQueuedRequestBytes} bytes`;
+      c.peerEvent('request_queue', ledger.nodeId, reason);
       this.#failed(new ConnectionBrokenError(reason), true);
       return;
     }
-    this.#queuedBytes = bytes;
-    this.#serveQueue.push({ reqId, head: Buffer.from(head) });
+    ledger.queuedRequests = requests;
+    ledger.queuedBytes = bytes;
+    this.#queuedBytes += cost;
+    if (this.#serveHead === this.#serveQueue.length) ledger.wait(this);
+    this.#serveQueue.push({ reqId, head: head && Buffer.from(head), reply, cost });
   }
 
-  #serveQueued(): void {
+  /** Serve what waits in the queue while neither the socket nor the peer's ledger is above the high-water mark. */
+  serveQueued(): void {
     const q = this.#serveQueue;
-    while (this.#serveHead < q.length && !this.#overHighWater() && !this.socket.destroyed) {
-      const next = q[this.#serveHead] as { reqId: number; head: Buffer };
+    const owner = this.#owner;
+    if (!owner || this.#serveHead >= q.length) return;
+    const ledger = owner.ledger;
+    while (this.#serveHead < q.length && !this.#held() && !this.socket.destroyed) {
+      const next = q[this.#serveHead] as Queued;
       q[this.#serveHead++] = undefined as never;
-      this.#queuedBytes -= next.head.length + QUEUED_REQUEST_OVERHEAD;
-      this.#serveReadv(next.reqId, next.head);
+      this.#queuedBytes -= next.cost;
+      ledger.queuedBytes -= next.cost;
+      ledger.queuedRequests--;
+      if (next.head) this.#serveReadv(next.reqId, next.head);
+      else this.#sendCharged([next.reply as Buffer], (next.reply as Buffer).length);
     }
     if (this.#serveHead >= q.length) {
+      ledger.unwait(this);
       this.#serveQueue = [];
       this.#serveHead = 0;
       this.#queuedBytes = 0;
@@ -756,6 +887,12 @@ export class FramedStream implements FrameSink, GrantUser {
     const w = this.#incomingWrite;
     this.#incomingWrite = undefined;
     if (w?.pinned) for (const g of w.pinned) g.release(this);
+    const ledger = this.#owner?.ledger;
+    if (ledger && this.#serveHead < this.#serveQueue.length) {
+      ledger.queuedRequests -= this.#serveQueue.length - this.#serveHead;
+      ledger.queuedBytes -= this.#queuedBytes;
+      ledger.unwait(this);
+    }
     this.#serveQueue = [];
     this.#serveHead = 0;
     this.#queuedBytes = 0;

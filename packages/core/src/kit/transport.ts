@@ -10,6 +10,18 @@
  * sockets in copy mode. Accepted sockets must finish their handshake within
  * `handshakeTimeoutMs`, and every stream of a connection must arrive within it; at most
  * `maxPendingConnections` connections may be half-way there (more are refused with `BUSY`).
+ *
+ * Bounds on what peers can make this side hold (invariant 16), all options below:
+ * - inbound connections: at most `maxConnections` in all (established, mid-handshake, and each
+ *   accepted socket that has not sent its HELLO yet counts as one) and `maxConnectionsPerPeer`
+ *   per node id; past either a new one is refused with `BUSY`, and established ones are untouched;
+ * - per peer (node id, summed over all its streams and connections, see {@link PeerLedger}):
+ *   requests and replies queued while the sockets are above the high-water mark, and the
+ *   memory allocated for its replies until written; a peer past the queue bound has the
+ *   offending connection closed;
+ * - idle connections are retired after `idleTimeoutMs` (see connection.ts).
+ * Each such event is logged (warn; idle retirements at info) and counted in
+ * `tensorwire_transport_peer_events_total{transport,event}`.
  */
 import { randomBytes } from 'node:crypto';
 import net from 'node:net';
@@ -25,6 +37,8 @@ import {
   toTensorwireError,
 } from '../errors.js';
 import type { Logger } from '../logger.js';
+import { Counter, Registry } from 'prom-client';
+import type { MetricsOptions } from '../metrics.js';
 import {
   TRANSPORT_SPECIFICATION_VERSION,
   type ConnectOptions,
@@ -42,16 +56,21 @@ import { KitConnection, type ConnectionHost } from './connection.js';
 import { FrameParser, FrameType, decodeError, encodeError } from './frames.js';
 import { GrantTable } from './grants.js';
 import { CONNECTION_ID_BYTES, HandshakeCodec, RefusalCode, ackProblem, helloRefusal, type Hello, type HelloAck } from './handshake.js';
-import { DEFAULT_TUNING, FramedStream, SendBufferPool, type StreamContext, type StreamTuning } from './stream.js';
+import { DEFAULT_TUNING, FramedStream, PeerLedger, SendBufferPool, type PeerEvent, type StreamContext, type StreamTuning } from './stream.js';
 
 export interface StreamTransportOptions {
   /** Largest chunk accepted on the wire, and the most data one frame may carry. Default 16 MiB. */
   maxChunkBytes?: number;
-  /** The responder queues requests while more than this many bytes wait to be sent. Default 8 MiB. */
+  /**
+   * The responder queues a stream's requests while more than this many bytes wait to be sent on
+   * its socket, or while more than this many bytes allocated for one peer's replies (copies of
+   * small ranges, headers, per-buffer bookkeeping; all its streams together) are not yet
+   * written. Default 8 MiB.
+   */
   sendHighWaterMark?: number;
-  /** Most request frames one stream may have waiting in the responder's queue; a peer past it is disconnected. Default 65536. */
+  /** Most requests and replies one peer (all its streams and connections) may have waiting in the responder's queues; past it the connection is closed. Default 65,536. */
   maxQueuedRequests?: number;
-  /** Most bytes of request heads one stream may have waiting in that queue. Default 64 MiB. */
+  /** Most bytes of them (request heads plus bookkeeping) one peer may have waiting. Default 64 MiB. */
   maxQueuedRequestBytes?: number;
   /** Both sides of a handshake must finish within this; so must every stream of a connection. Default 10 s. */
   handshakeTimeoutMs?: number;
@@ -61,7 +80,47 @@ export interface StreamTransportOptions {
   revokeGraceMs?: number;
   /** Connections whose streams have not all finished their handshakes, at most. Default 256. */
   maxPendingConnections?: number;
+  /** Inbound connections at most, established or handshaking (an accepted socket before its HELLO counts as one). Default 1024. */
+  maxConnections?: number;
+  /** Inbound connections from one node id at most, established or handshaking. Default 8. */
+  maxConnectionsPerPeer?: number;
+  /** A connection with no traffic and nothing in flight for this long is retired with GOAWAY (the peer reconnects when it needs to). Default 300 s. */
+  idleTimeoutMs?: number;
+  /** Where to count peer events (`tensorwire_transport_peer_events_total`), or false. Default: a private Registry (`transport.metrics.registry`). */
+  metrics?: MetricsOptions | false;
 }
+
+/** The kit's metrics: bounds and policies applied to peers. Transports sharing a registry share the counter. */
+export class KitMetrics {
+  readonly registry: Registry;
+  readonly peerEvents: Counter<'transport' | 'event'>;
+  constructor(options: MetricsOptions = {}) {
+    const registry = options.registry ?? new Registry();
+    const name = `${options.prefix ?? 'tensorwire_'}transport_peer_events_total`;
+    this.registry = registry;
+    this.peerEvents =
+      (registry.getSingleMetric(name) as Counter<'transport' | 'event'> | undefined) ??
+      new Counter({
+        name,
+        help: 'Bounds and policies applied to peers: request_queue (connection closed), protocol_violation (closed), connections, peer_connections and pending_handshakes (new connection refused BUSY), handshake_timeout (closed), idle (retired)',
+        labelNames: ['transport', 'event'],
+        registers: [registry],
+      });
+  }
+}
+
+/** How each peer event is logged. */
+const PEER_EVENT_TEXT: Record<PeerEvent, { readonly level: 'warn' | 'info'; readonly text: string }> = {
+  request_queue: { level: 'warn', text: 'peer disconnected: request queue over its bound' },
+  protocol_violation: { level: 'warn', text: 'peer disconnected: protocol violation' },
+  connections: { level: 'warn', text: 'connection refused: too many inbound connections' },
+  peer_connections: { level: 'warn', text: 'connection refused: too many inbound connections from this peer' },
+  pending_handshakes: { level: 'warn', text: 'connection refused: too many connections half-way through their handshakes' },
+  handshake_timeout: { level: 'warn', text: 'connection closed: handshake not finished in time' },
+  idle: { level: 'info', text: 'idle connection retired' },
+};
+/** Each kind of peer event is logged at most this often (all are counted). */
+const PEER_EVENT_LOG_INTERVAL_MS = 1000;
 
 /** What a subclass fixes about itself. */
 export interface StreamTransportProfile {
@@ -100,6 +159,9 @@ interface PendingGroup {
   readonly timer: NodeJS.Timeout;
 }
 
+/** Entries kept in {@link StreamTransport.peerEventCounts}. */
+type PeerEventCounts = Record<PeerEvent, number>;
+
 function positiveInt(name: string, v: number): number {
   if (!Number.isSafeInteger(v) || v < 1 || v > 0x7fffffff) throw new InvalidInputError(`${name} must be an integer from 1 to 2^31-1, got ${v}`, { details: { field: name } });
   return v;
@@ -117,6 +179,10 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
   readonly retireTimeoutMs: number;
   readonly revokeGraceMs: number;
   readonly maxPendingConnections: number;
+  readonly maxConnections: number;
+  readonly maxConnectionsPerPeer: number;
+  readonly idleTimeoutMs: number;
+  readonly metrics: KitMetrics | undefined;
   readonly tuning: StreamTuning;
   readonly grants: GrantTable;
   readonly sendBuffers: SendBufferPool;
@@ -125,6 +191,14 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
   readonly #connections = new Set<KitConnection>();
   readonly #pendingInbound = new Map<string, PendingGroup>();
   readonly #sockets = new Set<net.Socket>();
+  readonly #ledgers = new Map<string, PeerLedger>();
+  /** Inbound connections not yet closed (handshaking groups and established ones). */
+  #inbound = 0;
+  /** Accepted sockets that have not joined a connection yet (no accepted HELLO). */
+  #handshaking = 0;
+  readonly #eventCounts: PeerEventCounts = { request_queue: 0, protocol_violation: 0, connections: 0, peer_connections: 0, pending_handshakes: 0, handshake_timeout: 0, idle: 0 };
+  readonly #lastLogged = new Map<PeerEvent, number>();
+  readonly #suppressed = new Map<PeerEvent, number>();
   #server: net.Server | undefined;
   #host: TransportHost | undefined;
   #endpoint: Uint8Array | undefined;
@@ -149,6 +223,10 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
     this.retireTimeoutMs = positiveInt('retireTimeoutMs', options.retireTimeoutMs ?? 10_000);
     this.revokeGraceMs = positiveInt('revokeGraceMs', options.revokeGraceMs ?? 2_000);
     this.maxPendingConnections = positiveInt('maxPendingConnections', options.maxPendingConnections ?? 256);
+    this.maxConnections = positiveInt('maxConnections', options.maxConnections ?? 1024);
+    this.maxConnectionsPerPeer = positiveInt('maxConnectionsPerPeer', options.maxConnectionsPerPeer ?? 8);
+    this.idleTimeoutMs = positiveInt('idleTimeoutMs', options.idleTimeoutMs ?? 300_000);
+    this.metrics = options.metrics === false ? undefined : new KitMetrics(options.metrics ?? {});
     this.tuning = Object.freeze({ ...DEFAULT_TUNING, ...profile.tuning });
     this.grants = new GrantTable({ transport: profile.name, revokeGraceMs: this.revokeGraceMs });
     this.sendBuffers = new SendBufferPool(this.tuning.frameTargetBytes);
@@ -210,8 +288,55 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
     return this.grants.rangeGrantCount;
   }
 
+  /** Inbound connections not yet closed (established or handshaking), plus accepted sockets before their HELLO. */
+  get inboundCount(): number {
+    return this.#inbound + this.#handshaking;
+  }
+
+  /** How often each peer event happened (also counted in {@link KitMetrics}). */
+  get peerEventCounts(): Readonly<PeerEventCounts> {
+    return { ...this.#eventCounts };
+  }
+
+  /** What a peer holds in the responder now (undefined: no connection with it). For diagnostics and tests. */
+  peerUsage(nodeId: string): { readonly inbound: number; readonly connections: number; readonly queuedRequests: number; readonly queuedBytes: number; readonly sendBytes: number } | undefined {
+    const l = this.#ledgers.get(nodeId);
+    return l && { inbound: l.inbound, connections: l.refs, queuedRequests: l.queuedRequests, queuedBytes: l.queuedBytes, sendBytes: l.sendBytes };
+  }
+
+  ledgerFor(nodeId: string): PeerLedger {
+    let l = this.#ledgers.get(nodeId);
+    if (!l) {
+      l = new PeerLedger(nodeId, this.sendHighWaterMark);
+      this.#ledgers.set(nodeId, l);
+    }
+    l.refs++;
+    return l;
+  }
+
+  peerEvent(event: PeerEvent, peer: string | undefined, message: string): void {
+    this.#eventCounts[event]++;
+    this.metrics?.peerEvents.inc({ transport: this.name, event });
+    const logger = this.logger;
+    if (!logger) return;
+    // A flood of refusals is counted in full but logged at most once a second per kind.
+    const now = Date.now();
+    const last = this.#lastLogged.get(event);
+    if (last !== undefined && now - last < PEER_EVENT_LOG_INTERVAL_MS) {
+      this.#suppressed.set(event, (this.#suppressed.get(event) ?? 0) + 1);
+      return;
+    }
+    this.#lastLogged.set(event, now);
+    const suppressed = this.#suppressed.get(event) ?? 0;
+    this.#suppressed.delete(event);
+    const { level, text } = PEER_EVENT_TEXT[event];
+    logger[level](`${this.name} ${text}`, { event, peer, reason: message, ...(suppressed > 0 ? { suppressed } : {}) });
+  }
+
   forget(conn: KitConnection): void {
     this.#connections.delete(conn);
+    const l = conn.ledger;
+    if (--l.refs <= 0 && this.#ledgers.get(l.nodeId) === l) this.#ledgers.delete(l.nodeId);
   }
 
   // --- Transport ---------------------------------------------------------------------------
@@ -302,8 +427,9 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
     } catch (e) {
       for (const s of opened) s.socket.destroy();
       await Promise.all(opened.map((s) => s.closed));
-      if (signal.aborted) throw errorFromSignal(signal, `connect to ${peer.nodeId}`);
-      throw toTensorwireError(e);
+      const err = signal.aborted ? errorFromSignal(signal, `connect to ${peer.nodeId}`) : toTensorwireError(e);
+      await conn.close(err); // releases its ledger even when no stream got as far as joining it
+      throw err;
     } finally {
       signal.removeEventListener('abort', onAbort);
     }
@@ -312,6 +438,7 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
       await conn.close(new ClosedError(`${this.name} transport closed`));
       throw new ClosedError(`${this.name} transport closed`);
     }
+    conn.startIdleTimer();
     return conn;
   }
 
@@ -402,15 +529,36 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
       return;
     }
     const me = this.#host.identity;
+    if (this.#inbound + this.#handshaking >= this.maxConnections) {
+      // Refused before it costs anything but the socket: no parser, no timers but the linger.
+      const message = `${this.maxConnections} inbound connections are open or opening`;
+      this.peerEvent('connections', undefined, message);
+      socket.on('error', () => undefined);
+      socket.end(encodeError(0, RefusalCode.Busy, message));
+      const linger = setTimeout(() => socket.destroy(), 1000);
+      socket.once('close', () => clearTimeout(linger));
+      return;
+    }
+    this.#handshaking++;
+    let handshaking = true;
+    const joined = (): void => {
+      if (handshaking) this.#handshaking--;
+      handshaking = false;
+    };
     const stream = new FramedStream(socket, this);
-    const timer = setTimeout(() => socket.destroy(), this.handshakeTimeoutMs);
+    const timer = setTimeout(() => {
+      this.peerEvent('handshake_timeout', undefined, `no HELLO within ${this.handshakeTimeoutMs} ms`);
+      socket.destroy();
+    }, this.handshakeTimeoutMs);
     let lingering: NodeJS.Timeout | undefined;
     socket.once('close', () => {
+      joined();
       clearTimeout(timer);
       clearTimeout(lingering);
     });
-    const refuse = (code: RefusalCode, message: string): void => {
-      this.logger?.warn(`${this.name} handshake refused`, { code, message });
+    const refuse = (code: RefusalCode, message: string, event?: PeerEvent, peer?: string): void => {
+      if (event) this.peerEvent(event, peer, message);
+      else this.logger?.warn(`${this.name} handshake refused`, { code, message });
       clearTimeout(timer);
       stream.onHandshakeFrame = () => undefined; // one refusal; anything after it is ignored
       socket.end(encodeError(0, code, message));
@@ -441,11 +589,22 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
       let group = this.#pendingInbound.get(key);
       if (!group) {
         if (this.#pendingInbound.size >= this.maxPendingConnections) {
-          refuse(RefusalCode.Busy, `${this.maxPendingConnections} connections are already half-way through their handshakes`);
+          refuse(RefusalCode.Busy, `${this.maxPendingConnections} connections are already half-way through their handshakes`, 'pending_handshakes', hello.nodeId);
+          return;
+        }
+        if ((this.#ledgers.get(hello.nodeId)?.inbound ?? 0) >= this.maxConnectionsPerPeer) {
+          refuse(RefusalCode.Busy, `${hello.nodeId} already has ${this.maxConnectionsPerPeer} inbound connections open or opening`, 'peer_connections', hello.nodeId);
           return;
         }
         const peer: NodeIdentity = { nodeId: hello.nodeId, incarnation: hello.incarnation, hostId: hello.hostId };
         const conn = new KitConnection(this, peer, hello.nodeId, hello.streamCount, Math.min(this.maxChunkBytes, hello.maxChunkBytes));
+        // Counted until it closes, whether it finishes its handshake or not.
+        this.#inbound++;
+        conn.ledger.inbound++;
+        conn.onClose(() => {
+          this.#inbound--;
+          conn.ledger.inbound--;
+        });
         const gtimer = setTimeout(() => {
           this.#pendingInbound.delete(key);
           void conn.close(new ConnectionBrokenError('peer did not open all streams of its connection in time'));
@@ -466,6 +625,7 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
         return;
       }
       clearTimeout(timer);
+      joined();
       conn.addStream(stream, hello.streamIndex);
       stream.establish();
       stream.send([this.handshake.encodeHelloAck({ nodeId: me.nodeId, incarnation: me.incarnation, hostId: me.hostId, maxChunkBytes: this.maxChunkBytes })]);
@@ -474,6 +634,7 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
         clearTimeout(group.timer);
         this.#pendingInbound.delete(key);
         this.#connections.add(conn);
+        conn.startIdleTimer();
         this.#host?.inbound(conn);
       }
     };

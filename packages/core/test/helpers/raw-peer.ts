@@ -3,7 +3,9 @@
  * frame splitting, a started holder transport, and a peer that completes a real handshake and
  * then sends whatever bytes the test gives it.
  */
+import { fork, type ChildProcess } from 'node:child_process';
 import net from 'node:net';
+import { fileURLToPath } from 'node:url';
 import { silentLogger, type Logger } from '../../src/logger.js';
 import * as tcpFrames from '../../src/tcp/frames.js';
 import { TcpTransport, type TcpTransportOptions } from '../../src/tcp/transport.js';
@@ -90,6 +92,65 @@ export function hostile(target: { id: NodeIdentity; port: number }, chunks: Uint
         s.pause();
         setTimeout(() => s.resume(), options.pauseMs);
       }
+    });
+  });
+}
+
+export interface RawPeerProcessOptions {
+  /** Node id in the HELLO (with `distinct`, each socket gets `<nodeId><index>`). */
+  nodeId: string;
+  distinct?: boolean;
+  connections?: number;
+  /** What each socket does after its handshake (see fixtures/raw-flooder.mjs). */
+  mode: 'readv' | 'readv-copy' | 'readv-bad' | 'writev' | 'idle' | 'stall';
+  requests?: number;
+  /** stall: how long it stops reading; length of each READV's one range. */
+  pauseMs?: number;
+  length?: number;
+  /** Flooders: READVs of 64 KiB sent first, to fill the kernel's socket buffers. Default 128. */
+  fill?: number;
+  /** Flooders: after their last write, how long before they look whether the holder closed them. */
+  settleMs?: number;
+  /** Give up (close our sockets) after this long. */
+  ms?: number;
+  /** Where the token's memory starts in the holder's pattern (fixtures/bounded-holder.mjs: its grant starts at size / 2). */
+  base?: number;
+}
+
+export interface RawPeerSocketResult {
+  /** HELLO_ACK seen (flooders never read, so never see it). */
+  acked: boolean;
+  /** The holder refused the HELLO; with its code. */
+  refused: boolean;
+  refusal: string | undefined;
+  goaway: boolean;
+  closedByPeer: boolean;
+  sent: number;
+  replies: number;
+  /** READV_DATA replies whose bytes matched the holder's pattern. */
+  verified: number;
+}
+
+const RAW_PEER = fileURLToPath(new URL('../fixtures/raw-flooder.mjs', import.meta.url));
+
+/**
+ * A hostile or careless peer in its own process (fixtures/raw-flooder.mjs; it frames with the
+ * built codecs of dist/), against a holder at `target` whose registration or grant is `token`.
+ * Resolves with one result per socket once every socket closed.
+ */
+export function rawPeerProcess(target: { port: number; id: NodeIdentity }, token: Uint8Array, options: RawPeerProcessOptions, children?: ChildProcess[]): Promise<RawPeerSocketResult[]> {
+  const arg = JSON.stringify({ ...options, port: target.port, expect: { nodeId: target.id.nodeId, incarnation: target.id.incarnation }, token: Buffer.from(token).toString('base64') });
+  const child = fork(RAW_PEER, [arg], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'], execArgv: [] });
+  children?.push(child);
+  return new Promise((resolve, reject) => {
+    let done = false;
+    child.on('message', (m: { type: string; results: RawPeerSocketResult[] }) => {
+      if (m.type !== 'done') return;
+      done = true;
+      resolve(m.results);
+    });
+    child.once('exit', (code, sig) => {
+      if (!done) reject(new Error(`raw peer process exited without a result: ${code ?? sig}`));
     });
   });
 }
