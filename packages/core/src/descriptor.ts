@@ -117,6 +117,21 @@ function readMagic(r: ByteReader, magic: number[], version: number, what: string
 }
 
 export function encodeDescriptor(d: MemoryDescriptor): Uint8Array {
+  return encodeDescriptorWith(d, d.rangeLengths === undefined ? undefined : (w) => writeRangeLengths(w, d.rangeLengths as Float64Array, d.byteLength));
+}
+
+/**
+ * A range grant's descriptor from its range lengths already run-length encoded (what
+ * {@link TransferEngine.grant} computes in its one pass over the ranges): `runs` holds
+ * (length, repeat) pairs adding up to `count` ranges and `byteLength` bytes. Checked like
+ * {@link encodeDescriptor}; costs O(runs), not O(ranges).
+ * @internal
+ */
+export function encodeGrantDescriptor(d: Omit<MemoryDescriptor, 'rangeLengths'>, count: number, runs: readonly number[]): Uint8Array {
+  return encodeDescriptorWith(d, (w) => writeRangeRuns(w, count, runs, d.byteLength));
+}
+
+function encodeDescriptorWith(d: Omit<MemoryDescriptor, 'rangeLengths'>, writeRanges: ((w: ByteWriter) => void) | undefined): Uint8Array {
   assertOwner(d.owner.nodeId);
   assertToken(d.owner.incarnation, 'incarnation');
   const problem = idProblem(d.registrationId, 'block');
@@ -128,11 +143,10 @@ export function encodeDescriptor(d: MemoryDescriptor): Uint8Array {
   for (const b of DESCRIPTOR_MAGIC) w.u8(b);
   w.u8(DESCRIPTOR_VERSION).str8(d.owner.nodeId).str8(d.owner.incarnation).str8(d.registrationId);
   w.u8(kindToByte(d.memoryKind)).u64(d.byteLength);
-  const lengths = d.rangeLengths;
-  if (lengths === undefined) w.u8(0);
+  if (writeRanges === undefined) w.u8(0);
   else {
     w.u8(1);
-    writeRangeLengths(w, lengths, d.byteLength);
+    writeRanges(w);
   }
   writeTransports(w, d.transports);
   return w.finish();
@@ -181,6 +195,28 @@ function writeRangeLengths(w: ByteWriter, lengths: Float64Array, byteLength: num
     sum += len * (j - i);
     i = j;
   }
+  if (sum !== byteLength) throw new InvalidInputError(`range lengths sum to ${sum}, not byteLength ${byteLength}`, { details: { field: 'byteLength' } });
+}
+
+/** The same wire form from (length, repeat) runs: `count` ranges in all. */
+function writeRangeRuns(w: ByteWriter, count: number, runs: readonly number[], byteLength: number): void {
+  if (!Number.isSafeInteger(count) || count <= 0 || count > MAX_GRANT_RANGES) throw new InvalidInputError(`a grant has 1 to ${MAX_GRANT_RANGES} ranges, got ${count}`, { details: { field: 'rangeLengths' } });
+  if (runs.length === 0 || runs.length % 2 !== 0) throw new InvalidInputError('range runs must be (length, repeat) pairs', { details: { field: 'rangeLengths' } });
+  w.u32(count);
+  let sum = 0;
+  let n = 0;
+  for (let k = 0; k < runs.length; k += 2) {
+    const len = runs[k] as number;
+    const repeat = runs[k + 1] as number;
+    if (!Number.isSafeInteger(len) || len <= 0 || !Number.isSafeInteger(repeat) || repeat <= 0) {
+      throw new InvalidInputError(`range run ${k / 2} (${len} × ${repeat}) must be positive safe integers`, { details: { field: 'rangeLengths' } });
+    }
+    writeVarint(w, len);
+    writeVarint(w, repeat);
+    sum += len * repeat;
+    n += repeat;
+  }
+  if (n !== count) throw new InvalidInputError(`range runs cover ${n} ranges, not ${count}`, { details: { field: 'rangeLengths' } });
   if (sum !== byteLength) throw new InvalidInputError(`range lengths sum to ${sum}, not byteLength ${byteLength}`, { details: { field: 'byteLength' } });
 }
 

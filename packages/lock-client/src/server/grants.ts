@@ -5,7 +5,9 @@
  * `revoke`: each lease gets ONE range grant from the engine over the ranges of its blocks
  * (block i of the lease is range i), sent to the requester as one lease descriptor; when the
  * lease ends (released, expired by the GC, abandoned, shutdown) the grant is revoked, exactly
- * once. Counters: `issued = revoked + live`, always.
+ * once. Counters: `issued = revoked + live`, always. `blocks` is asked once per block when the
+ * block is pinned; the answer is kept while the block stays pinned (a pinned block does not
+ * move), so a lease's grant looks up nothing again.
  *
  * ```ts
  * const grants = engineGrants({ engine, blocks: new Map([['block:kv:0', { registration, offset: 0, length: 4096 }]]) });
@@ -40,15 +42,18 @@ export interface EngineGrantCounters {
 }
 
 export interface EngineGrants {
-  /** Refuses blocks this holder does not have (NOT_FOUND), before anything is pinned. */
+  /** Refuses blocks this holder does not have (NOT_FOUND), before anything is pinned; remembers where the block lies while it is pinned. */
   pin(blockId: string): void;
+  /** The block's last lease ended: forget where it lies. */
+  unpin(blockId: string): void;
   /** One range grant over the lease's blocks, as one lease descriptor. */
   resolve(blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease>;
   /** The lease ended: revoke its grant (once; a grant still being made is revoked when made). */
   revoke(lease: LeaseInfo, reason: LeaseEndReason): void;
-  /** `{ pin, resolve, revoke }`, to spread into `startLockServer` options. */
+  /** `{ pin, unpin, resolve, revoke }`, to spread into `startLockServer` options. */
   readonly lockServerOptions: {
     readonly pin: (blockId: string) => void;
+    readonly unpin: (blockId: string) => void;
     readonly resolve: (blockIds: readonly string[], lease: LeaseInfo) => Promise<ResolvedLease>;
     readonly revoke: (lease: LeaseInfo, reason: LeaseEndReason) => void;
   };
@@ -56,6 +61,9 @@ export interface EngineGrants {
   /** Resolves once every revocation started so far has finished. */
   settled(): Promise<void>;
 }
+
+/** Most pinned blocks whose lookup is remembered (beyond it, `blocks` is asked again at grant time). */
+const MAX_REMEMBERED_BLOCKS = 1 << 20;
 
 /** A lease whose grant is being made, made, or whose lease ended while it was being made. */
 type Slot = { state: 'pending' } | { state: 'ended' } | { state: 'live'; grant: Grant };
@@ -65,6 +73,9 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   const logger = options.logger ?? silentLogger;
   const lookup = typeof options.blocks === 'function' ? options.blocks : (id: string) => (options.blocks as ReadonlyMap<string, GrantRange>).get(id);
   const slots = new Map<string, Slot>();
+  // Where each pinned block lies, from its pin (the lease table pins a block when its first
+  // live lease takes it and unpins it after its last): refreshed at every pin, so never stale.
+  const pinned = new Map<string, GrantRange>();
   const revoking = new Set<Promise<void>>();
   let issued = 0;
   let revoked = 0;
@@ -78,7 +89,13 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   };
 
   const pin = (blockId: string): void => {
-    if (lookup(blockId) === undefined) throw new LeaseError('NOT_FOUND', `no block ${blockId} on this holder`);
+    const r = lookup(blockId);
+    if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${blockId} on this holder`);
+    if (pinned.size < MAX_REMEMBERED_BLOCKS || pinned.has(blockId)) pinned.set(blockId, r);
+  };
+
+  const unpin = (blockId: string): void => {
+    pinned.delete(blockId);
   };
 
   const resolve = async (blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease> => {
@@ -92,7 +109,7 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       const ranges = new Float64Array(blockIds.length * GRANT_STRIDE);
       for (let i = 0; i < blockIds.length; i++) {
         const id = blockIds[i] as string;
-        const r = lookup(id);
+        const r = pinned.get(id) ?? lookup(id);
         if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
         let k = index.get(r.registration);
         if (k === undefined) index.set(r.registration, (k = registrations.push(r.registration) - 1));
@@ -136,9 +153,10 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
 
   return {
     pin,
+    unpin,
     resolve,
     revoke,
-    lockServerOptions: { pin, resolve, revoke },
+    lockServerOptions: { pin, unpin, resolve, revoke },
     counters: () => ({ issued, revoked, live: issued - revoked, failed }),
     settled: async () => {
       while (revoking.size > 0) await Promise.allSettled([...revoking]);
