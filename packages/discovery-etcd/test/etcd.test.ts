@@ -16,7 +16,7 @@ import {
   type NodeRecord,
 } from '@tensorwire/core';
 import { EtcdDiscovery, parseEtcdUrl } from '../src/index.js';
-import { TestEtcd, etcdMissing } from './helpers/etcd.js';
+import { TestEtcd, etcdMissing, writeOwnedRecord } from './helpers/etcd.js';
 
 const missing = etcdMissing();
 if (missing) console.warn(`[discovery-etcd] skipping real-etcd tests: ${missing}`);
@@ -30,7 +30,9 @@ let prefixCounter = 0;
 
 describe('parseEtcdUrl', () => {
   it('accepts etcd://, http:// and bare host:port and names the store etcd://host:port', () => {
-    expect(parseEtcdUrl('etcd://10.231.0.1:2379')).toEqual({ store: 'etcd://10.231.0.1:2379', host: 'http://10.231.0.1:2379' });
+    expect(parseEtcdUrl('etcd://10.231.0.1:2379')).toEqual({ store: 'etcd://10.231.0.1:2379', host: 'http://10.231.0.1:2379', tls: false });
+    expect(parseEtcdUrl('etcds://10.231.0.1:2379')).toEqual({ store: 'etcds://10.231.0.1:2379', host: 'https://10.231.0.1:2379', tls: true });
+    expect(parseEtcdUrl('https://h:1').store).toBe('etcds://h:1');
     expect(parseEtcdUrl('http://localhost:1').store).toBe('etcd://localhost:1');
     expect(parseEtcdUrl('example.com:2379').store).toBe('etcd://example.com:2379');
     for (const bad of ['etcd://h', 'etcd://h:0', 'etcd://h:70000', 'ftp://h:1', '', 'h:1/x']) expect(() => parseEtcdUrl(bad)).toThrow();
@@ -100,8 +102,7 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
     const c = raw();
     // A "crashed" node: its record under a lease nobody keeps alive.
     const lease = c.lease(2, { autoKeepAlive: false });
-    await lease.grant();
-    await lease.put(`${prefix}nodes/holder-b`).value(Buffer.from(encodeNodeRecord(record('holder-b', 'old'))));
+    await writeOwnedRecord(c, prefix, 'holder-b', encodeNodeRecord(record('holder-b', 'old')), await lease.grant());
     await requester.waitFor('holder-b', { timeoutMs: 10_000 });
 
     const restarted = await open();
@@ -148,7 +149,9 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
     await otherLease.put(`${prefix}nodes/wrong-key`).value(Buffer.from(encodeNodeRecord(record('holder-d', 'x'))));
     await otherLease.put(`${prefix}nodes/holder-d`).value(Buffer.from(encodeNodeRecord(record('holder-d', 'forged')))); // hand-written takeover
     await otherLease.put(`${prefix}nodes/bad:key`).value('x');
-    await expect(holder.publish(record('holder-d', 'live', { blockIds: ['block:kv:9'] }), { timeoutMs: 1000 })).rejects.toBeInstanceOf(RemoteRejectedError); // its own key was taken
+    // The takeover of its key does not stick: the owner puts its record back (and updates it).
+    await holder.publish(record('holder-d', 'live', { blockIds: ['block:kv:9'] }), { timeoutMs: 5000 });
+    await requester.waitFor('holder-d', { timeoutMs: 10_000, until: (r) => r.blockIds?.includes('block:kv:9') === true });
     // The watcher survived all of it: a new, valid node still shows up.
     const fresh = await open();
     await fresh.publish(record('fresh', 'f1'));
@@ -191,7 +194,9 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
 
     await etcd.start();
     await waitUntil(() => requester.available && holder.available && holder.stats().published, 30_000);
-    expect(holder.stats().leasesGranted).toBeGreaterThanOrEqual(2);
+    // The holder kept its lease through the outage (etcd renews leases when it restarts) or,
+    // if etcd ended it meanwhile, published again under a new one; either way one live record.
+    expect(holder.stats().leasesGranted).toBeGreaterThanOrEqual(1);
     expect(requester.stats().syncs).toBeGreaterThanOrEqual(2);
     // The cache follows etcd again: changes made after the outage arrive.
     await holder.publish(record('holder-e', 'i1', { blockIds: ['block:kv:2'] }));
@@ -205,9 +210,10 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
     expect((await down.lookup('holder-e'))?.blockIds).toEqual(['block:kv:2']);
     // The owner moving its record to a new lease is not a conflicting claim, for any client.
     for (const d of [holder, requester, down]) expect(d.stats().rejected['conflicting-claim'] ?? 0).toBe(0);
-    // etcd holds exactly one key for the node, with the latest content, under a live lease.
+    // etcd holds exactly one record key for the node, with the latest content, under a live lease.
     const c = raw();
     const keys = await c.getAll().prefix(`${prefix}nodes/`).exec();
+    expect(Number((await c.leaseClient.leaseTimeToLive({ ID: keys.kvs[0]?.lease ?? '0', keys: false })).TTL)).toBeGreaterThan(0);
     expect(keys.kvs.map((kv) => kv.key.toString())).toEqual([`${prefix}nodes/holder-e`]);
     expect(JSON.parse(keys.kvs[0]?.value.toString() ?? '{}').blockIds).toEqual(['block:kv:2']);
     // A brand-new client's first list sees the same.
@@ -217,7 +223,7 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
     // closing the holder removes the record for everyone.
     await holder.close();
     await waitUntil(() => requester.peek('holder-e') === undefined && down.peek('holder-e') === undefined && fresh.peek('holder-e') === undefined, 10_000);
-    expect((await c.getAll().prefix(`${prefix}nodes/`).keys()).length).toBe(0);
+    expect((await c.getAll().prefix(prefix).keys()).length).toBe(0);
   });
 
   it('implements the same interface as StaticDiscovery (close is idempotent; disposal works)', async () => {
