@@ -2,13 +2,14 @@
 // instance (no module-level statics), so the addon works in worker threads.
 #include <napi.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
-#include <set>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -218,6 +219,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("shmUnlink", &Addon::ShmUnlink),
         InstanceMethod("shmUnlinkAll", &Addon::ShmUnlinkAll),
         InstanceMethod("shmCreated", &Addon::ShmCreated),
+        InstanceMethod("shmLocate", &Addon::ShmLocate),
         InstanceMethod("headerDecode", &Addon::HeaderDecode),
         InstanceMethod("viewMeta", &Addon::ViewMetaJs),
         InstanceMethod("seqWrite", &Addon::SeqWriteJs),
@@ -254,9 +256,10 @@ class Addon : public Napi::Addon<Addon> {
 
   // Environment teardown: unlink every segment this environment created and did not free.
   ~Addon() {
-    for (const std::string& name : created_) {
+    for (const auto& c : created_) {
       bool existed = false;
-      UnlinkSegment(name, &existed);
+      UnlinkSegment(c.first, &existed);
+      close(c.second);
     }
   }
 
@@ -344,13 +347,11 @@ class Addon : public Napi::Addon<Addon> {
     Mapping m;
     Status s = CreateSegment(name, size, p, &m);
     if (!s.ok()) Throw(env, s);
-    created_.insert(name);
+    created_[name] = m.fd;
     try {
       return WrapMapping(env, m);
     } catch (...) {
-      bool existed = false;
-      UnlinkSegment(name, &existed);
-      created_.erase(name);
+      Forget(name);
       throw;
     }
   }
@@ -369,15 +370,16 @@ class Addon : public Napi::Addon<Addon> {
     bool existed = false;
     Status s = UnlinkSegment(name, &existed);
     if (!s.ok()) Throw(info.Env(), s);
-    created_.erase(name);
+    CloseCreated(name);
     return Napi::Boolean::New(info.Env(), existed);
   }
 
   Napi::Value ShmUnlinkAll(const Napi::CallbackInfo& info) {
     uint32_t n = 0;
-    for (const std::string& name : created_) {
+    for (const auto& c : created_) {
       bool existed = false;
-      if (UnlinkSegment(name, &existed).ok() && existed) n++;
+      if (UnlinkSegment(c.first, &existed).ok() && existed) n++;
+      close(c.second);
     }
     created_.clear();
     return Napi::Number::New(info.Env(), n);
@@ -386,8 +388,40 @@ class Addon : public Napi::Addon<Addon> {
   Napi::Value ShmCreated(const Napi::CallbackInfo& info) {
     Napi::Array a = Napi::Array::New(info.Env(), created_.size());
     uint32_t i = 0;
-    for (const std::string& name : created_) a.Set(i++, name);
+    for (const auto& c : created_) a.Set(i++, c.first);
     return a;
+  }
+
+  // shmLocate(name): the locator of a segment, read without opening the segment itself
+  // (sweep() and create collisions judge a dead owner's leftovers by it): { pid, fd, kind,
+  // ownerStart (bigint), size }.
+  Napi::Value ShmLocate(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Locator l;
+    Status s = ReadLocator(StrArg(info, 0), &l);
+    if (!s.ok()) Throw(env, s);
+    Napi::Object o = Napi::Object::New(env);
+    o.Set("pid", Napi::Number::New(env, l.pid));
+    o.Set("fd", Napi::Number::New(env, l.fd));
+    o.Set("kind", Napi::Number::New(env, l.kind));
+    o.Set("ownerStart", Napi::BigInt::New(env, l.owner_start));
+    o.Set("size", Napi::Number::New(env, static_cast<double>(l.size)));
+    return o;
+  }
+
+  // The memfd behind a segment this environment created: closed once its name is unlinked,
+  // so readers can no longer open it (mappings already made stay valid).
+  void CloseCreated(const std::string& name) {
+    auto it = created_.find(name);
+    if (it == created_.end()) return;
+    close(it->second);
+    created_.erase(it);
+  }
+
+  void Forget(const std::string& name) {
+    bool existed = false;
+    UnlinkSegment(name, &existed);
+    CloseCreated(name);
   }
 
   Napi::Value HeaderDecode(const Napi::CallbackInfo& info) {
@@ -889,7 +923,8 @@ class Addon : public Napi::Addon<Addon> {
   }
 
   std::shared_ptr<CudaDriver> cuda_;
-  std::set<std::string> created_;
+  // Segments this environment created and has not unlinked: name -> its memfd descriptor.
+  std::map<std::string, int> created_;
   // copyBatch scratch, kept between calls so a batch allocates nothing once warm.
   std::vector<BatchLocal> locals_;
   std::vector<BatchSegment> segments_;

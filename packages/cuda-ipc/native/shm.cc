@@ -4,9 +4,12 @@
 #include <sched.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/vfs.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 
@@ -300,6 +303,43 @@ size_t DtypeSize(uint32_t dtype) {
   return dtype <= kMaxDtype ? sizes[dtype] : 0;
 }
 
+namespace {
+
+// Where locators live: the directory glibc's shm_open uses, so names keep their meaning.
+constexpr const char* kShmDir = "/dev/shm";
+#ifndef MFD_CLOEXEC
+#define MFD_CLOEXEC 0x0001U
+#endif
+#ifndef MFD_ALLOW_SEALING
+#define MFD_ALLOW_SEALING 0x0002U
+#endif
+#ifndef F_ADD_SEALS
+#define F_ADD_SEALS 1033
+#define F_GET_SEALS 1034
+#define F_SEAL_SEAL 0x0001
+#define F_SEAL_SHRINK 0x0002
+#define F_SEAL_GROW 0x0004
+#endif
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+// Fixed size forever: nobody can truncate (SIGBUS for every mapping), grow, or add a seal
+// (F_SEAL_FUTURE_WRITE would make the readers' next mmap fail).
+constexpr int kSeals = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL;
+
+std::string LocatorPath(const std::string& name) { return std::string(kShmDir) + name; }
+
+int MemfdCreate(const char* name, unsigned flags) {
+  // The raw system call: glibc gained memfd_create() only in 2.27.
+  return static_cast<int>(syscall(SYS_memfd_create, name, flags));
+}
+
+const char* ExhaustedOr(int e, const char* otherwise) {
+  return e == ENOSPC || e == ENOMEM || e == EMFILE || e == ENFILE || e == EFBIG ? kResourceExhausted : otherwise;
+}
+
+}  // namespace
+
 Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p, Mapping* out) {
   std::string problem = NameProblem(name);
   if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
@@ -310,36 +350,55 @@ Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p
     return Status::Fail(kInvalidInput, "segment id is empty, too long or has invalid characters");
   }
   if (p.shape.size() > kMaxNdim) return Status::Fail(kInvalidInput, "too many dimensions");
-  int fd = shm_open(name.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return Status::Errno(errno == EEXIST ? kResourceExhausted : kInvalidInput, "create " + name, "shm_open", errno);
+  // The name first, exclusively: it is the reservation (EEXIST: another live or dead owner).
+  const std::string path = LocatorPath(name);
+  int lfd = open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (lfd < 0) {
+    int e = errno;
+    return Status::Errno(e == EEXIST ? kResourceExhausted : ExhaustedOr(e, kInvalidInput), "create " + name, "open", e);
+  }
+  int fd = -1;
+  void* addr = MAP_FAILED;
   auto fail = [&](const char* code, const char* call, int e) {
     Status s = Status::Errno(code, "create " + name, call, e);
-    close(fd);
-    shm_unlink(name.c_str());
+    if (addr != MAP_FAILED) munmap(addr, size);
+    if (fd >= 0) close(fd);
+    close(lfd);
+    unlink(path.c_str());
     return s;
   };
+  if (fchmod(lfd, 0600) != 0) return fail(kInvalidInput, "fchmod", errno);
+  fd = MemfdCreate(name.c_str() + 1, MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  if (fd < 0) {
+    int e = errno;
+    return fail(e == ENOSYS || e == EINVAL ? kBackendUnavailable : ExhaustedOr(e, kInvalidInput), "memfd_create", e);
+  }
+  // memfds are created 0777: private like every segment (invariant 10).
   if (fchmod(fd, 0600) != 0) return fail(kInvalidInput, "fchmod", errno);
   if (ftruncate(fd, static_cast<off_t>(size)) != 0) {
     int e = errno;
-    return fail(e == ENOSPC || e == EFBIG ? kResourceExhausted : kInvalidInput, "ftruncate", e);
+    return fail(ExhaustedOr(e, kInvalidInput), "ftruncate", e);
   }
-  // Reserve the pages now: on tmpfs a later write to an unreserved page of a full /dev/shm
-  // raises SIGBUS instead of an error.
+  // Reserve the pages now: a later write to an unreserved page under memory pressure is an
+  // error here rather than a fault later.
   int fe = posix_fallocate(fd, 0, static_cast<off_t>(size));
-  if (fe != 0 && fe != EOPNOTSUPP && fe != EINVAL) {
-    return fail(fe == ENOSPC || fe == ENOMEM ? kResourceExhausted : kInvalidInput, "posix_fallocate", fe);
+  if (fe != 0 && fe != EOPNOTSUPP && fe != EINVAL) return fail(ExhaustedOr(fe, kInvalidInput), "posix_fallocate", fe);
+  if (fcntl(fd, F_ADD_SEALS, kSeals) != 0) {
+    int e = errno;
+    return fail(e == EINVAL ? kBackendUnavailable : kInvalidInput, "fcntl(F_ADD_SEALS)", e);
   }
   // MAP_POPULATE: fault every (already reserved) page into this mapping now, at slot
   // creation, instead of on the first write: a first write into a fresh 4 MiB slot
   // otherwise takes ~1000 page faults (and tmpfs zeroes each page at its first fault).
   // For shared tmpfs mappings the prefaulted PTEs are writable (no write-notify), so
   // later writes take no fault at all. Best effort: a failed populate is not an error.
-  void* addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+  addr = mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   if (addr == MAP_FAILED) {
     int e = errno;
     return fail(e == ENOMEM ? kResourceExhausted : kInvalidInput, "mmap", e);
   }
-  close(fd);
+  struct stat st;
+  if (fstat(fd, &st) != 0) return fail(kInvalidInput, "fstat", errno);
   uint8_t* base = static_cast<uint8_t*>(addr);
   std::memset(base, 0, kHeaderSize);
   Store<uint32_t>(base, off::version, kVersion);
@@ -360,16 +419,84 @@ Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p
   std::memcpy(base + off::id, p.id.data(), p.id.size());
   // Publish: a reader that sees the magic (acquire) sees every field above.
   __atomic_store_n(AtomicAt<uint64_t>(base, off::magic), kMagic, __ATOMIC_RELEASE);
+  // The locator last: a reader finds the segment only once its header is complete.
+  uint8_t loc[kLocatorBytes] = {0};
+  Store<uint64_t>(loc, 0, kLocatorMagic);
+  Store<uint32_t>(loc, 8, 1);
+  Store<uint32_t>(loc, 12, static_cast<uint32_t>(getpid()));
+  Store<int32_t>(loc, 16, fd);
+  Store<uint32_t>(loc, 20, p.kind);
+  Store<uint64_t>(loc, 24, p.owner_start);
+  Store<uint64_t>(loc, 32, size);
+  Store<uint64_t>(loc, 40, static_cast<uint64_t>(st.st_ino));
+  Store<uint64_t>(loc, 48, static_cast<uint64_t>(st.st_dev));
+  ssize_t w = pwrite(lfd, loc, kLocatorBytes, 0);
+  if (w != static_cast<ssize_t>(kLocatorBytes)) return fail(ExhaustedOr(w < 0 ? errno : ENOSPC, kInvalidInput), "pwrite", w < 0 ? errno : ENOSPC);
+  close(lfd);
   out->addr = addr;
   out->size = size;
+  out->fd = fd;
+  return Status::Ok();
+}
+
+Status ReadLocator(const std::string& name, Locator* out) {
+  std::string problem = NameProblem(name);
+  if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
+  int lfd = open(LocatorPath(name).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (lfd < 0) return Status::Errno(kInvalidInput, "open " + name, "open", errno);
+  struct stat st;
+  if (fstat(lfd, &st) != 0) {
+    int e = errno;
+    close(lfd);
+    return Status::Errno(kInvalidInput, "open " + name, "fstat", e);
+  }
+  auto refuse = [&](const std::string& why) {
+    close(lfd);
+    return Status::Fail(kInvalidInput, "segment " + name + " " + why);
+  };
+  if (!S_ISREG(st.st_mode)) return refuse("is not a regular file");
+  if (st.st_uid != geteuid()) return refuse("belongs to uid " + std::to_string(st.st_uid) + ", not to this user");
+  if ((st.st_mode & 0077) != 0) return refuse("is accessible to other users (mode must be 0600)");
+  uint8_t buf[kLocatorBytes];
+  ssize_t n = pread(lfd, buf, kLocatorBytes, 0);
+  close(lfd);
+  if (n != static_cast<ssize_t>(kLocatorBytes) || Load<uint64_t>(buf, 0) != kLocatorMagic || Load<uint32_t>(buf, 8) != 1) {
+    return Status::Fail(kInvalidInput, "segment " + name + " has no valid locator (not initialised yet, truncated or overwritten)");
+  }
+  Locator l;
+  l.pid = Load<uint32_t>(buf, 12);
+  l.fd = Load<int32_t>(buf, 16);
+  l.kind = Load<uint32_t>(buf, 20);
+  l.owner_start = Load<uint64_t>(buf, 24);
+  l.size = Load<uint64_t>(buf, 32);
+  l.ino = Load<uint64_t>(buf, 40);
+  l.dev = Load<uint64_t>(buf, 48);
+  if (l.pid == 0 || l.pid > 0x3fffffffu || l.fd < 0 || l.kind < kKindPool || l.kind > kKindTable || l.size < kHeaderSize ||
+      l.size > kMaxSegmentBytes) {
+    return Status::Fail(kInvalidInput, "segment " + name + " has a locator with fields out of range");
+  }
+  *out = l;
   return Status::Ok();
 }
 
 Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out) {
-  std::string problem = NameProblem(name);
-  if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
-  int fd = shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
-  if (fd < 0) return Status::Errno(kInvalidInput, "open " + name, "shm_open", errno);
+  Locator loc;
+  Status ls = ReadLocator(name, &loc);
+  if (!ls.ok()) return ls;
+  if (loc.size > max_size) {
+    return Status::Fail(kInvalidInput, "segment " + name + " is larger than the allowed " + std::to_string(max_size) + " bytes");
+  }
+  char proc[64];
+  std::snprintf(proc, sizeof proc, "/proc/%u/fd/%d", loc.pid, loc.fd);
+  int fd = open(proc, O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    int e = errno;
+    std::string why = e == ENOENT ? " (its creator, pid " + std::to_string(loc.pid) + ", freed it or exited, or is not in this PID namespace)"
+                      : e == EACCES || e == EPERM
+                          ? " (the creator's /proc/" + std::to_string(loc.pid) + "/fd is not accessible: another user, a non-dumpable process, or /proc mounted with hidepid)"
+                          : "";
+    return Status::Errno(e == EMFILE || e == ENFILE ? kResourceExhausted : kInvalidInput, "open " + name + why, "open", e);
+  }
   struct stat st;
   if (fstat(fd, &st) != 0) {
     int e = errno;
@@ -380,11 +507,23 @@ Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out) {
     close(fd);
     return Status::Fail(kInvalidInput, "segment " + name + " " + why);
   };
+  if (static_cast<uint64_t>(st.st_ino) != loc.ino || static_cast<uint64_t>(st.st_dev) != loc.dev) {
+    // The creator closed the memfd and reused the descriptor number: the segment is gone.
+    close(fd);
+    return Status::Errno(kInvalidInput, "open " + name + " (its creator freed it)", "open", ENOENT);
+  }
   if (!S_ISREG(st.st_mode)) return refuse("is not a regular shared-memory object");
   if (st.st_uid != geteuid()) return refuse("belongs to uid " + std::to_string(st.st_uid) + ", not to this user");
   if ((st.st_mode & 0077) != 0) return refuse("is accessible to other users (mode must be 0600)");
+  struct statfs sf;
+  if (fstatfs(fd, &sf) != 0 || static_cast<uint64_t>(sf.f_type) != static_cast<uint64_t>(TMPFS_MAGIC)) {
+    return refuse("is not a tmpfs memfd");
+  }
+  int seals = fcntl(fd, F_GET_SEALS);
+  if (seals < 0 || (seals & kSeals) != kSeals) return refuse("is not sealed against shrinking, growing and new seals");
   uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size < kHeaderSize) return refuse("is smaller than its header (not initialised yet, or truncated)");
+  if (size != loc.size) return refuse("has " + std::to_string(size) + " bytes, its locator says " + std::to_string(loc.size));
+  if (size < kHeaderSize) return refuse("is smaller than its header");
   if (size > max_size || size > kMaxSegmentBytes) return refuse("is larger than the allowed " + std::to_string(max_size) + " bytes");
   // No MAP_POPULATE here: a reader's first-touch faults are read faults, which map 16 pages
   // each (fault-around), so prefaulting would only move the same cost into id -> view and
@@ -395,6 +534,7 @@ Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out) {
   if (addr == MAP_FAILED) return Status::Errno(e == ENOMEM ? kResourceExhausted : kInvalidInput, "open " + name, "mmap", e);
   out->addr = addr;
   out->size = size;
+  out->fd = -1;
   return Status::Ok();
 }
 
@@ -402,12 +542,12 @@ Status UnlinkSegment(const std::string& name, bool* existed) {
   std::string problem = NameProblem(name);
   if (!problem.empty()) return Status::Fail(kInvalidInput, problem);
   *existed = true;
-  if (shm_unlink(name.c_str()) != 0) {
+  if (unlink(LocatorPath(name).c_str()) != 0) {
     if (errno == ENOENT) {
       *existed = false;
       return Status::Ok();
     }
-    return Status::Errno(kInvalidInput, "unlink " + name, "shm_unlink", errno);
+    return Status::Errno(kInvalidInput, "unlink " + name, "unlink", errno);
   }
   return Status::Ok();
 }

@@ -41,7 +41,37 @@ std::string NameProblem(const std::string& name);
 struct Mapping {
   void* addr = nullptr;
   size_t size = 0;
+  // The creator's descriptor of the segment's memfd (-1 for a mapping opened by a reader):
+  // it keeps /proc/<pid>/fd/<fd> resolvable for readers until the creator unlinks it.
+  int fd = -1;
 };
+
+// Segments are sealed memfds (see CreateSegment); the name is a locator file
+// /dev/shm<name> (mode 0600, kLocatorBytes) that readers use to find the memfd:
+//   off size
+//     0    8 magic "TWLOC" + format 1
+//     8    4 version 1
+//    12    4 creator pid
+//    16    4 descriptor number of the memfd in the creator
+//    20    4 kind (as in the header)
+//    24    8 creator start time (pid-reuse guard)
+//    32    8 segment size
+//    40    8 inode of the memfd (st_ino), so a reused descriptor number is refused
+//    48    8 device of the memfd (st_dev)
+constexpr size_t kLocatorBytes = 64;
+constexpr uint64_t kLocatorMagic = 0x5457434f4c000001ull;
+struct Locator {
+  uint32_t pid = 0;
+  int32_t fd = -1;
+  uint32_t kind = 0;
+  uint64_t owner_start = 0;
+  uint64_t size = 0;
+  uint64_t ino = 0;
+  uint64_t dev = 0;
+};
+// Read and validate the locator of `name` (pread, never mmap: a truncated or garbled locator
+// is an error, never a SIGBUS). Refuses locators of another uid or accessible to others.
+Status ReadLocator(const std::string& name, Locator* out);
 
 struct InitParams {
   uint32_t kind = kKindPool;
@@ -59,12 +89,18 @@ struct InitParams {
   std::string id;
 };
 
-// Exclusive create (O_CREAT|O_EXCL, 0600), size, reserve (posix_fallocate), map with every
-// page prefaulted (MAP_POPULATE), init header.
+// Exclusive create of the locator (O_CREAT|O_EXCL, 0600), then a memfd (mode 0600), sized,
+// reserved (posix_fallocate) and sealed against shrinking, growing and further seals
+// (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL: no process, the creator included, can ever
+// truncate it, so no mapping of it can fault with SIGBUS), mapped with every page prefaulted
+// (MAP_POPULATE), header initialised, locator written. out->fd stays open (the caller keeps
+// it until UnlinkSegment) so readers can open /proc/<pid>/fd/<fd>.
 Status CreateSegment(const std::string& name, uint64_t size, const InitParams& p, Mapping* out);
-// Open an existing segment; refuses segments not owned by this uid or accessible to others.
+// Open an existing segment through its locator: /proc/<pid>/fd/<fd>, which must be the
+// memfd the locator names (inode, size), a tmpfs file of this uid, mode 0600, sealed
+// against shrinking, growing and further seals. Refuses anything else.
 Status OpenSegment(const std::string& name, uint64_t max_size, Mapping* out);
-// shm_unlink; *existed=false on ENOENT.
+// Remove the locator; *existed=false on ENOENT. (The creator closes its memfd descriptor.)
 Status UnlinkSegment(const std::string& name, bool* existed);
 
 struct Meta {

@@ -1,11 +1,12 @@
+/// <reference types="node" preserve="true" />
 export { TensorPool, PoolView } from './pool.js';
 export type { PoolOptions, SlotSpec, WriteOptions, ReadOptions, FreeResult, PoolViewInfo, Device } from './pool.js';
 export { CudaIpcTransport, decodePayload, decodeEndpointBlob } from './transport.js';
-export type { CudaIpcTransportOptions, RemoteGrant, RemoteRangeGrant } from './transport.js';
+export type { CudaIpcTransportOptions, CudaIpcLimits, CudaIpcPeerEvent, RemoteGrant, RemoteRangeGrant } from './transport.js';
 export { allocateSharedMemory, releaseSharedMemory, sweep } from './shared.js';
 export type { SweepReport } from './shared.js';
 export { capabilities, isAvailable, native, addonCandidates, SegmentKind, SegmentState } from './native.js';
-export type { Capabilities, NativeAddon, SegmentMeta } from './native.js';
+export type { Capabilities, NativeAddon, SegmentMeta, SegmentLocator } from './native.js';
 export { DTYPES, MAX_NDIM } from './dtype.js';
 export type { Dtype } from './dtype.js';
 export { poolSegmentName, poolIdFromSegmentName, segmentNameProblem } from './names.js';

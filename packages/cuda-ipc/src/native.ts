@@ -4,9 +4,8 @@
  * Every call converts native errors (which carry a `code` such as `TW_INVALID_INPUT`)
  * into the typed errors of @tensorwire/core.
  */
-import { createRequire } from 'node:module';
-import { dirname, join, resolve } from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { ADDON_SPEC } from './addon-spec.js';
+import { addonPaths, loadAddon, loadFailureMessage, sourceBuildHint, type PlatformInfo } from './load.js';
 import { BackendUnavailableError, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
 
 /** Segment kinds in the header's `kind` field. */
@@ -36,6 +35,15 @@ export interface SegmentMeta {
   readonly dtype: number;
   readonly shape: readonly number[];
   readonly id: string;
+}
+
+/** A segment's locator file (see native/shm.h): where readers find the creator's sealed memfd. */
+export interface SegmentLocator {
+  readonly pid: number;
+  readonly fd: number;
+  readonly kind: number;
+  readonly ownerStart: bigint;
+  readonly size: number;
 }
 
 export interface SegmentInit {
@@ -89,6 +97,12 @@ export interface NativeAddon {
   shmUnlink(name: string): boolean;
   shmUnlinkAll(): number;
   shmCreated(): string[];
+  /**
+   * The locator of segment `name` (`/dev/shm<name>`), read without opening the segment: which
+   * process created it (pid and start time), its memfd descriptor there, kind and size.
+   * sweep() and create collisions judge leftovers of dead owners by it.
+   */
+  shmLocate(name: string): SegmentLocator;
   headerDecode(segment: ArrayBuffer, kind?: number, expectId?: string): SegmentMeta;
   /**
    * headerDecode(segment, pool, expectId) for the id -> view hot path: fills `out`
@@ -181,37 +195,22 @@ interface LoadResult {
   readonly addon: NativeAddon | undefined;
   readonly path: string | undefined;
   readonly errors: readonly string[];
+  readonly failure: string | undefined;
+  readonly platform: PlatformInfo;
+  readonly prebuilds: readonly string[];
 }
 
-const here = dirname(fileURLToPath(import.meta.url));
 let loaded: LoadResult | undefined;
 
-/** Where the loader looks, in order. `TENSORWIRE_CUDA_IPC_ADDON` overrides. */
+/** Where the loader looks, in order (see load.ts). `TENSORWIRE_CUDA_IPC_ADDON` overrides. */
 export function addonCandidates(): string[] {
-  const root = resolve(here, '..');
-  const out: string[] = [];
-  const override = process.env['TENSORWIRE_CUDA_IPC_ADDON'];
-  if (override) out.push(resolve(override));
-  for (const dir of ['build/Release', 'build/Debug', 'build', 'prebuilds/linux-' + process.arch]) {
-    out.push(join(root, dir, 'cuda_ipc.node'));
-  }
-  return out;
+  return addonPaths(ADDON_SPEC);
 }
 
 function load(): LoadResult {
   if (loaded) return loaded;
-  const require = createRequire(import.meta.url);
-  const errors: string[] = [];
-  for (const path of addonCandidates()) {
-    try {
-      const addon = require(path) as NativeAddon;
-      loaded = { addon, path, errors };
-      return loaded;
-    } catch (e) {
-      errors.push(`${path}: ${e instanceof Error ? e.message.split('\n')[0] : String(e)}`);
-    }
-  }
-  loaded = { addon: undefined, path: undefined, errors };
+  const r = loadAddon<NativeAddon>(ADDON_SPEC);
+  loaded = { addon: r.addon, path: r.path, errors: r.errors, failure: r.addon ? undefined : loadFailureMessage(ADDON_SPEC, r), platform: r.platform, prebuilds: r.prebuilds };
   return loaded;
 }
 
@@ -234,8 +233,8 @@ export function toTypedError(e: unknown): TensorwireError | unknown {
 function addon(): NativeAddon {
   const r = load();
   if (!r.addon) {
-    throw new BackendUnavailableError(`the @tensorwire/cuda-ipc native addon could not be loaded (run \`npm run build\` in packages/cuda-ipc): ${r.errors.join('; ')}`, {
-      details: { errors: r.errors },
+    throw new BackendUnavailableError(r.failure ?? 'the @tensorwire/cuda-ipc native addon could not be loaded', {
+      details: { errors: r.errors, platform: r.platform, prebuilds: r.prebuilds, install: sourceBuildHint(ADDON_SPEC) },
     });
   }
   return r.addon;
@@ -306,6 +305,7 @@ export const native: NativeAddon = {
   shmUnlink: wrap('shmUnlink'),
   shmUnlinkAll: wrap('shmUnlinkAll'),
   shmCreated: wrap('shmCreated'),
+  shmLocate: wrap('shmLocate'),
   headerDecode: wrap('headerDecode'),
   viewMeta: wrap('viewMeta'),
   seqWrite: wrap('seqWrite'),

@@ -62,9 +62,16 @@ export interface ReadOptions {
 }
 
 export interface FreeResult {
-  /** True when a CUDA slot's device memory is still held for importers. */
+  /**
+   * The owner's free: true when a CUDA slot's device memory is still held for importers.
+   * Anyone else's free: true when views of the slot are still live in this process, so its
+   * mapping (and CUDA import) goes only when the last of them is disposed.
+   */
   readonly deferred: boolean;
-  /** Settles when the device memory has been released (at once for host slots). */
+  /**
+   * Settles when what `deferred` waits for has been released: the owner's device memory
+   * (at once for host slots), or this process's mapping and import of another owner's slot.
+   */
   readonly released: Promise<void>;
 }
 
@@ -358,10 +365,12 @@ export class TensorPool implements AsyncDisposable {
       return native.shmCreate(name, size, init);
     } catch (e) {
       if (!(e instanceof ResourceExhaustedError) || e.details['errnoName'] !== 'EEXIST') throw e;
-      let owner: SegmentMeta | undefined;
+      // The locator names the creator; a dead creator's memfd is gone, so only the name is left.
+      let owner: { ownerPid: number; ownerStart: bigint } | undefined;
       let problem = '';
       try {
-        owner = native.headerDecode(native.shmOpen(name, MAX_SEGMENT_BYTES));
+        const loc = native.shmLocate(name);
+        owner = { ownerPid: loc.pid, ownerStart: loc.ownerStart };
       } catch (err) {
         owner = undefined;
         problem = err instanceof Error ? err.message : String(err);
@@ -683,8 +692,10 @@ export class TensorPool implements AsyncDisposable {
    * Free a slot. The owner frees its own slot (unlinked now; views already open stay
    * mapped; a CUDA slot's device memory is released once importers close, or after the
    * timeout). Anyone else's free releases only this process's mapping and imported
-   * handle of that pool id: at once when none of its views is live, else when the last
-   * one is disposed (`deferred`; the views stay valid until then).
+   * handle of that pool id: at once when none of its views is live, else it returns at
+   * once with `deferred: true` and the mapping goes when the last view is disposed
+   * (`released` settles then; the views stay valid until then). It never waits for the
+   * caller's own live views.
    */
   async free(id: string, options: { signal?: AbortSignal; forceAfterMs?: number } = {}): Promise<FreeResult> {
     const parsed = parseId(id, 'pool');
@@ -692,7 +703,9 @@ export class TensorPool implements AsyncDisposable {
       const f = this.#foreign.get(id);
       if (!f) return { deferred: false, released: Promise.resolve() };
       const released = this.#dropForeign(f);
-      if (f.views > 0 && f.imported) return { deferred: true, released };
+      // Live views (host or CUDA) keep the mapping and any import until the last is
+      // disposed: say so at once instead of waiting for views this caller may itself hold.
+      if (f.views > 0) return { deferred: true, released };
       await released;
       return { deferred: false, released };
     }

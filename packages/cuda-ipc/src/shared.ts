@@ -133,9 +133,11 @@ export interface SweepReport {
 }
 
 /**
- * Remove tensorwire segments left behind by owners that died: the owner pid recorded in
- * the header is gone (ESRCH), or it was reused by another process (start time differs).
- * Segments whose header never became valid are removed once older than `staleInitMs`.
+ * Remove tensorwire segment names left behind by owners that died: the creator pid recorded
+ * in the locator is gone (ESRCH), or it was reused by another process (start time differs).
+ * The memory itself went with the owner (a memfd lives as long as its creator's descriptor
+ * and any mapping); only the name is left. Locators that never became valid are removed
+ * once older than `staleInitMs`.
  */
 export function sweep(options: { dir?: string; staleInitMs?: number } = {}): SweepReport {
   const dir = options.dir ?? '/dev/shm';
@@ -153,41 +155,28 @@ export function sweep(options: { dir?: string; staleInitMs?: number } = {}): Swe
     if (!entry.startsWith('tw-')) continue;
     const name = `/${entry}`;
     if (segmentNameProblem(name) !== undefined) continue;
-    let mapping: ArrayBuffer;
-    try {
-      mapping = native.shmOpen(name, MAX_SEGMENT_BYTES);
-    } catch (e) {
-      const msg = e instanceof Error ? e.message : String(e);
-      // Too small to hold a header: a creator died between shm_open and ftruncate.
-      if (/smaller than its header/.test(msg) && isOld(`${dir}/${entry}`, staleInitMs)) {
-        if (native.shmUnlink(name)) removed.push(name);
-      } else if (!/belongs to uid|accessible to other users/.test(msg)) {
-        skipped.push({ name, reason: msg });
-      }
-      continue;
-    }
+    // The locator names the creator (pid + start time); the segment itself (a memfd of
+    // that process) is gone with it, so it is never opened here.
     let pid: number;
     let start: bigint;
     try {
-      const meta = native.headerDecode(mapping);
-      pid = meta.ownerPid;
-      start = meta.ownerStart;
+      const loc = native.shmLocate(name);
+      pid = loc.pid;
+      start = loc.ownerStart;
     } catch (e) {
-      if (isOld(`${dir}/${entry}`, staleInitMs)) {
+      const msg = e instanceof Error ? e.message : String(e);
+      if (/belongs to uid|accessible to other users/.test(msg)) continue; // not ours to judge
+      // No valid locator: a creator died before writing it, or someone garbled it.
+      if (/no valid locator|out of range/.test(msg) && isOld(`${dir}/${entry}`, staleInitMs)) {
         if (native.shmUnlink(name)) removed.push(name);
       } else {
-        skipped.push({ name, reason: e instanceof Error ? e.message : String(e) });
+        skipped.push({ name, reason: msg });
       }
       continue;
     }
     if (isProcessAlive(pid, start)) {
       kept++;
       continue;
-    }
-    try {
-      native.setState(mapping, SegmentState.Dead);
-    } catch {
-      // header unreadable; unlink anyway
     }
     if (native.shmUnlink(name)) removed.push(name);
   }

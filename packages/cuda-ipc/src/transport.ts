@@ -77,7 +77,6 @@ import {
   type TransferBatch,
   type GrantRanges,
   GRANT_STRIDE,
-  GrantField,
   RANGE_STRIDE,
   RangeField,
   ResourceExhaustedError,
@@ -111,7 +110,6 @@ const TOKEN_BYTES = 16;
 const MODE_LOCAL = 0;
 const MODE_REGISTRATION = 1;
 const MODE_RANGES = 2;
-const TWO32 = 2 ** 32;
 
 // Grant ext offsets (native/layout.h).
 const EXT = 1024;
@@ -145,7 +143,54 @@ export interface CudaIpcTransportOptions {
    * ResourceExhaustedError.
    */
   readonly grantTable?: { readonly records?: number; readonly segments?: number; readonly rangeBytes?: number; readonly maxTables?: number };
+  /**
+   * Bounds on what peers can make this transport hold on its control channel (invariant 16).
+   * Past each, the peer's new connection is refused (or the offending socket closed) with a
+   * logged reason, counted in {@link CudaIpcTransport.peerEvents}; other peers are unaffected.
+   */
+  readonly limits?: CudaIpcLimits;
   readonly logger?: Logger;
+}
+
+/** Control-channel bounds of {@link CudaIpcTransportOptions.limits}. */
+export interface CudaIpcLimits {
+  /** An accepted socket must finish its handshake (say hello, pass the presence check) within this (default 10 s). */
+  readonly handshakeTimeoutMs?: number;
+  /** Accepted sockets that have not finished their handshake, at most (default 64); more are closed at once. */
+  readonly maxPendingHandshakes?: number;
+  /** Inbound connections at most, from all peers (default 1024); past it a hello is refused. */
+  readonly maxConnections?: number;
+  /** Inbound connections from one node id at most (default 8); past it that peer's hello is refused. */
+  readonly maxConnectionsPerPeer?: number;
+  /**
+   * Mappings of one peer's segments (its grants, grant tables and data segments) a connection
+   * caches, each kind at most this many (default 1024); past it the oldest is dropped (mapped
+   * again when next used), and a new CUDA import is refused with ResourceExhaustedError.
+   */
+  readonly maxCachedSegments?: number;
+}
+
+/** Why the transport refused or cut a peer's control connection (the keys of {@link CudaIpcTransport.peerEvents}). */
+export type CudaIpcPeerEvent = 'pending_handshakes' | 'connections' | 'peer_connections' | 'handshake_timeout' | 'protocol_violation' | 'cache_evictions' | 'import_refused';
+
+const PEER_EVENT_TEXT: Record<CudaIpcPeerEvent, { readonly level: 'warn' | 'info'; readonly text: string }> = {
+  pending_handshakes: { level: 'warn', text: 'cuda-ipc: connection closed: too many connections half-way through their handshakes' },
+  connections: { level: 'warn', text: 'cuda-ipc: connection refused: too many inbound connections' },
+  peer_connections: { level: 'warn', text: 'cuda-ipc: connection refused: too many inbound connections from this peer' },
+  handshake_timeout: { level: 'warn', text: 'cuda-ipc: connection closed: handshake not finished in time' },
+  protocol_violation: { level: 'warn', text: 'cuda-ipc: connection closed: control protocol violation' },
+  cache_evictions: { level: 'info', text: "cuda-ipc: a peer's cached segment mapping was dropped (cache full)" },
+  import_refused: { level: 'warn', text: "cuda-ipc: a peer's CUDA grant was not imported (import cache full)" },
+};
+/** Each kind of peer event is logged at most this often (all are counted). */
+const PEER_EVENT_LOG_INTERVAL_MS = 1000;
+
+function limit(name: string, value: number | undefined, dflt: number, max: number): number {
+  const v = value ?? dflt;
+  if (!Number.isSafeInteger(v) || v < 1 || v > max) {
+    throw new InvalidInputError(`limits.${name} must be an integer from 1 to ${max}`, { details: { field: `limits.${name}` } });
+  }
+  return v;
 }
 
 class Grant {
@@ -473,14 +518,24 @@ function withRequest(e: unknown, request: number | undefined): unknown {
 
 const MAX_LINE = 4096;
 
-/** Newline-delimited JSON messages over a Unix socket (handshake and control only; no data). */
-function onLines(socket: Socket, handler: (msg: Record<string, unknown>) => void): void {
+/**
+ * Newline-delimited JSON messages over a Unix socket (handshake and control only; no data).
+ * What is buffered is bounded: a line longer than {@link MAX_LINE} bytes (or more than 4 of
+ * them in parse) or one that is not JSON closes the socket, reported through `onViolation`.
+ */
+function onLines(socket: Socket, handler: (msg: Record<string, unknown>) => void, onViolation?: (why: string) => void): void {
   let buf = '';
   socket.setEncoding('utf8');
+  const violate = (why: string): void => {
+    buf = '';
+    socket.destroy(new InvalidInputError(why));
+    onViolation?.(why);
+  };
   socket.on('data', (chunk: string) => {
+    if (socket.destroyed) return;
     buf += chunk;
     if (buf.length > MAX_LINE * 4) {
-      socket.destroy(new InvalidInputError('cuda-ipc control line too long'));
+      violate('cuda-ipc control line too long');
       return;
     }
     let i: number;
@@ -491,7 +546,7 @@ function onLines(socket: Socket, handler: (msg: Record<string, unknown>) => void
       try {
         msg = JSON.parse(line);
       } catch {
-        socket.destroy(new InvalidInputError('cuda-ipc control message is not JSON'));
+        violate('cuda-ipc control message is not JSON');
         return;
       }
       if (typeof msg === 'object' && msg !== null && !Array.isArray(msg)) handler(msg as Record<string, unknown>);
@@ -550,9 +605,13 @@ class CudaIpcConnection implements TransportConnection {
     this.#peerPid = peerPid;
     this.#peerStart = peerStart;
     this.#socket = socket;
-    onLines(socket, (msg) => {
-      if (msg['t'] === 'retire') this.#peerRetired();
-    });
+    onLines(
+      socket,
+      (msg) => {
+        if (msg['t'] === 'retire') this.#peerRetired();
+      },
+      (why) => owner.peerEvent('protocol_violation', peer.nodeId, why),
+    );
     socket.on('error', () => undefined);
     socket.on('close', () => {
       void this.close(this.#retiring ? undefined : new ConnectionBrokenError(`peer ${peer.nodeId} closed the cuda-ipc connection`));
@@ -587,6 +646,21 @@ class CudaIpcConnection implements TransportConnection {
 
   onRetire(listener: () => void): void {
     this.#retireListeners.push(listener);
+  }
+
+  /**
+   * Cache a mapping of one of the peer's segments, bounded (invariant 16): past
+   * `limits.maxCachedSegments` the oldest entry is dropped (its mapping goes with its last
+   * user; it is mapped again when next needed), so a peer that keeps issuing new grants
+   * cannot grow this process's mappings without end.
+   */
+  #remember<V>(map: Map<string, V>, key: string, value: V): void {
+    if (map.size >= this.#owner.maxCachedSegments) {
+      const oldest = map.keys().next();
+      if (!oldest.done) map.delete(oldest.value);
+      this.#owner.peerEvent('cache_evictions', this.peer.nodeId, `more than ${this.#owner.maxCachedSegments} cached mappings`);
+    }
+    map.set(key, value);
   }
 
   /**
@@ -817,7 +891,7 @@ class CudaIpcConnection implements TransportConnection {
       let t = this.#tables.get(remote.tableName);
       if (!t) {
         t = openTableView(remote.tableName, this.peer.nodeId, this.#peerPid);
-        this.#tables.set(remote.tableName, t);
+        this.#remember(this.#tables, remote.tableName, t);
       }
       const read = readRangeTable(t, remote.record, remote.generation, remote.token, remote.count, remote.length, (name) => this.#mapData(name));
       r = { table: t, recordOffset: HEADER_SIZE + remote.record * RECORD_BYTES, ...read };
@@ -1083,7 +1157,7 @@ class CudaIpcConnection implements TransportConnection {
     }
     const flags = dv.getUint32(G_FLAGS, true);
     const t: GrantTarget = { mapping, target: targetCode === 0 ? 'host' : 'cuda', offset, length, dataName, device: meta.device, ipcHandle: meta.ipcHandle, flags };
-    this.#grants.set(remote.grantName, t);
+    this.#remember(this.#grants, remote.grantName, t);
     return t;
   }
 
@@ -1096,7 +1170,7 @@ class CudaIpcConnection implements TransportConnection {
       } catch (e) {
         throw new RemoteRejectedError(`granted segment ${name} is gone`, { cause: e, details: { remoteCode: 'gone' } });
       }
-      this.#data.set(name, m);
+      this.#remember(this.#data, name, m);
     }
     return m;
   }
@@ -1122,6 +1196,12 @@ class CudaIpcConnection implements TransportConnection {
   async #importBase(name: string, g: GrantTarget): Promise<bigint> {
     let p = this.#imports.get(name);
     if (!p) {
+      // Imports are closed only with the connection (a copy may be using one), so past the
+      // bound a new one is refused rather than an old one evicted.
+      if (this.#imports.size >= this.#owner.maxCachedSegments) {
+        this.#owner.peerEvent('import_refused', this.peer.nodeId, `${this.#imports.size} CUDA grants imported`);
+        throw new ResourceExhaustedError(`cuda-ipc: ${this.#imports.size} CUDA grants of ${this.peer.nodeId} are imported on this connection (limits.maxCachedSegments)`);
+      }
       const device = g.device;
       p = native.cudaImport(device, g.ipcHandle).then((base) => ({ device, base }));
       this.#imports.set(name, p);
@@ -1182,8 +1262,28 @@ export class CudaIpcTransport implements Transport {
   #server: Server | undefined;
   #socketPath: string | undefined;
   readonly #pending = new Set<Socket>();
+  /** Accepted sockets that have not finished their handshake (bounded by maxPendingHandshakes). */
+  readonly #handshaking = new Set<Socket>();
   readonly #grants = new Set<Grant>();
   readonly #connections = new Set<CudaIpcConnection>();
+  /** Connections peers opened to this transport (bounded in all and per peer). */
+  readonly #inbound = new Set<CudaIpcConnection>();
+  readonly #handshakeTimeoutMs: number;
+  readonly #maxPendingHandshakes: number;
+  readonly #maxConnections: number;
+  readonly #maxConnectionsPerPeer: number;
+  /** Per-connection bound on cached mappings of a peer's segments, per kind (see {@link CudaIpcLimits}). */
+  readonly maxCachedSegments: number;
+  readonly #events: Record<CudaIpcPeerEvent, number> = {
+    pending_handshakes: 0,
+    connections: 0,
+    peer_connections: 0,
+    handshake_timeout: 0,
+    protocol_violation: 0,
+    cache_evictions: 0,
+    import_refused: 0,
+  };
+  readonly #eventLoggedAt = new Map<CudaIpcPeerEvent, number>();
   /** Grant tables (range grants), in creation order, and the first one's geometry. */
   readonly #tables: GrantTable[] = [];
   readonly #tableGeometry: TableGeometry;
@@ -1206,6 +1306,12 @@ export class CudaIpcTransport implements Transport {
     this.#tableGeometry = { records: gt.records ?? 4096, dir: gt.segments ?? 4096, arena: gt.rangeBytes ?? 4 * 2 ** 20 };
     checkGeometry(this.#tableGeometry, 'grantTable');
     this.#maxTables = gt.maxTables ?? 8;
+    const lim = options.limits ?? {};
+    this.#handshakeTimeoutMs = limit('handshakeTimeoutMs', lim.handshakeTimeoutMs, 10_000, 3_600_000);
+    this.#maxPendingHandshakes = limit('maxPendingHandshakes', lim.maxPendingHandshakes, 64, 1 << 20);
+    this.#maxConnections = limit('maxConnections', lim.maxConnections, 1024, 1 << 20);
+    this.#maxConnectionsPerPeer = limit('maxConnectionsPerPeer', lim.maxConnectionsPerPeer, 8, 1 << 20);
+    this.maxCachedSegments = limit('maxCachedSegments', lim.maxCachedSegments, 1024, 1 << 20);
     if (!Number.isSafeInteger(this.#maxTables) || this.#maxTables < 1 || this.#maxTables > 64) {
       throw new InvalidInputError('grantTable.maxTables must be an integer from 1 to 64', { details: { field: 'grantTable.maxTables' } });
     }
@@ -1228,6 +1334,25 @@ export class CudaIpcTransport implements Transport {
 
   #assertOpen(): void {
     if (this.#closed) throw new ClosedError('cuda-ipc transport is closed');
+  }
+
+  /**
+   * How often each bound was applied to a peer since this transport was created: connections
+   * refused or closed, cached mappings dropped, imports refused. Each is also logged (at most
+   * once a second per kind).
+   */
+  peerEvents(): Readonly<Record<CudaIpcPeerEvent, number>> {
+    return { ...this.#events };
+  }
+
+  /** @internal Count (and log, rate-limited) a bound applied to a peer. */
+  peerEvent(event: CudaIpcPeerEvent, peer: string | undefined, message: string): void {
+    this.#events[event]++;
+    const now = Date.now();
+    if (now - (this.#eventLoggedAt.get(event) ?? -Infinity) < PEER_EVENT_LOG_INTERVAL_MS) return;
+    this.#eventLoggedAt.set(event, now);
+    const { level, text } = PEER_EVENT_TEXT[event];
+    this.#logger[level](text, { peer, reason: message, count: this.#events[event] });
   }
 
   #identity(): NodeIdentity {
@@ -1287,14 +1412,24 @@ export class CudaIpcTransport implements Transport {
       socket.destroy();
       return;
     }
-    this.#pending.add(socket);
     socket.on('error', () => undefined);
-    const timer = setTimeout(() => socket.destroy(), 10_000);
+    if (this.#handshaking.size >= this.#maxPendingHandshakes) {
+      socket.destroy();
+      this.peerEvent('pending_handshakes', undefined, `${this.#handshaking.size} connections are already half-way through their handshakes`);
+      return;
+    }
+    this.#pending.add(socket);
+    this.#handshaking.add(socket);
+    const timer = setTimeout(() => {
+      socket.destroy();
+      this.peerEvent('handshake_timeout', undefined, `no handshake within ${this.#handshakeTimeoutMs} ms`);
+    }, this.#handshakeTimeoutMs);
     let done = false;
     const finish = (): void => {
       done = true;
       clearTimeout(timer);
       this.#pending.delete(socket);
+      this.#handshaking.delete(socket);
       socket.removeAllListeners('data');
     };
     socket.once('close', () => {
@@ -1311,9 +1446,20 @@ export class CudaIpcTransport implements Transport {
         if (hostId !== me.hostId) throw new InvalidInputError('different host');
         if (segmentNameProblem(presence) !== undefined || !presence.startsWith('/tw-n.')) throw new InvalidInputError('bad presence name');
         const p = this.#checkPresence(nodeId, incarnation, hostId, presence);
+        if (this.#inbound.size >= this.#maxConnections) {
+          this.peerEvent('connections', nodeId, `${this.#inbound.size} inbound connections are open`);
+          throw new ResourceExhaustedError(`busy: ${this.#inbound.size} inbound connections are open`);
+        }
+        let fromPeer = 0;
+        for (const c of this.#inbound) if (c.peer.nodeId === nodeId) fromPeer++;
+        if (fromPeer >= this.#maxConnectionsPerPeer) {
+          this.peerEvent('peer_connections', nodeId, `${fromPeer} inbound connections from ${nodeId} are open`);
+          throw new ResourceExhaustedError(`busy: ${fromPeer} inbound connections from ${nodeId} are open`);
+        }
         finish();
         const conn = new CudaIpcConnection({ nodeId, incarnation, hostId }, nodeId, this.capabilities.maxStreams, this, p.mapping, p.pid, p.start, socket);
         this.#connections.add(conn);
+        this.#inbound.add(conn);
         // Hand it to the engine first: a closing engine closes it, and then no welcome is sent.
         this.#host?.inbound(conn);
         if (conn.isOpen) sendLine(socket, { t: 'welcome', nodeId: me.nodeId, incarnation: me.incarnation });
@@ -1322,6 +1468,9 @@ export class CudaIpcTransport implements Transport {
         sendLine(socket, { t: 'reject', reason: e instanceof Error ? e.message : String(e) });
         socket.end();
       }
+    }, (why) => {
+      finish();
+      this.peerEvent('protocol_violation', undefined, why);
     });
   }
 
@@ -1472,23 +1621,11 @@ export class CudaIpcTransport implements Transport {
       }
       hs[j] = h;
     }
-    // Every range checked before anything is allocated (the engine did too; this is our own bound).
-    let bytes = 0;
-    for (let k = 0; k < count; k++) {
-      const at = k * GRANT_STRIDE;
-      const j = ranges[at + GrantField.Handle] as number;
-      const off = ranges[at + GrantField.Offset] as number;
-      const len = ranges[at + GrantField.Length] as number;
-      const h = Number.isInteger(j) && j >= 0 ? hs[j] : undefined;
-      if (!h || !Number.isSafeInteger(off) || off < 0 || !Number.isSafeInteger(len) || len < 1 || off + len > h.buffer.byteLength) {
-        throw new InvalidInputError(`grant: range ${k} (${off}+${len} of registration ${j}) is empty or outside its registration`, { details: { field: 'ranges', range: k } });
-      }
-      bytes += len;
-    }
     const { table, arenaOffset, record, generation } = this.#reserve(id.nodeId, count * RANGE_BYTES, hs);
     // Directory references: once per registration and table (released when it is revoked);
     // a registration remembers its index, so later grants over it look up nothing by name.
     const dirOf = new Uint32Array(n);
+    let bytes: number;
     try {
       for (let j = 0; j < n; j++) {
         const h = hs[j] as HostHandle;
@@ -1501,26 +1638,14 @@ export class CudaIpcTransport implements Transport {
           dirOf[j] = d;
         }
       }
+      // Every range checked (the engine did too; this is our own bound) and the range table
+      // written, in one pass (src/grants.ts); a bad range leaves nothing published.
+      bytes = table.writeRanges(arenaOffset, ranges, count, hs, dirOf);
     } catch (e) {
       // Nothing was published: the record and its range table go back (references taken stay with their registrations).
       table.untakeRecord(record);
       table.arena.free(arenaOffset, count * RANGE_BYTES);
       throw e;
-    }
-    // The range table: directory index, offset in the segment mapping, length (24 bytes each).
-    const u32 = table.u32;
-    let w = (table.arenaAt + arenaOffset) / 4;
-    for (let k = 0; k < count; k++, w += 6) {
-      const at = k * GRANT_STRIDE;
-      const j = ranges[at + GrantField.Handle] as number;
-      const abs = (hs[j] as HostHandle).base + (ranges[at + GrantField.Offset] as number);
-      const len = ranges[at + GrantField.Length] as number;
-      u32[w] = dirOf[j] as number;
-      u32[w + 1] = 0;
-      u32[w + 2] = abs % TWO32;
-      u32[w + 3] = Math.floor(abs / TWO32);
-      u32[w + 4] = len % TWO32;
-      u32[w + 5] = Math.floor(len / TWO32);
     }
     const token = new Uint8Array(TOKEN_BYTES);
     freshToken(token, 0);
@@ -1709,6 +1834,7 @@ export class CudaIpcTransport implements Transport {
   /** @internal */
   forget(conn: CudaIpcConnection): void {
     this.#connections.delete(conn);
+    this.#inbound.delete(conn);
   }
 
   close(): Promise<void> {
