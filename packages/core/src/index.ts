@@ -1,3 +1,4 @@
+/// <reference types="node" preserve="true" />
 export * from './errors.js';
 export * from './ids.js';
 export * from './codec.js';

@@ -5,10 +5,8 @@
  * The loader tries every known build location (and `TENSORWIRE_RDMA_ADDON` first, when
  * set) and keeps every error, so "cannot load" says what was tried and why each failed.
  */
-import { existsSync } from 'node:fs';
-import { createRequire } from 'node:module';
-import { dirname, resolve } from 'node:path';
-import { fileURLToPath } from 'node:url';
+import { ADDON_SPEC } from './addon-spec.js';
+import { addonPaths, loadAddon, loadFailureMessage, sourceBuildHint, type PlatformInfo } from './load.js';
 import { BackendUnavailableError, ErrorCode, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
 
 /** What `probe()` reports: how far the addon gets on this machine. */
@@ -267,49 +265,34 @@ export interface NativeAddon {
 
 export const ADDON_FILE = 'tensorwire_rdma_verbs.node';
 
-/** Where the loader looks, in order. */
+/** Where the loader looks, in order (see load.ts). `TENSORWIRE_RDMA_ADDON` overrides. */
 export function addonCandidates(): string[] {
-  const here = dirname(fileURLToPath(import.meta.url)); // dist/ or src/
-  const pkg = resolve(here, '..');
-  const out: string[] = [];
-  const env = process.env['TENSORWIRE_RDMA_ADDON'];
-  if (env !== undefined && env !== '') out.push(resolve(env));
-  out.push(resolve(pkg, 'build', 'Release', ADDON_FILE), resolve(pkg, 'build', 'Debug', ADDON_FILE));
-  return out;
+  return addonPaths(ADDON_SPEC);
 }
 
-export type LoadResult = { readonly addon: NativeAddon; readonly path: string } | { readonly errors: readonly string[] };
+export type LoadResult =
+  | { readonly addon: NativeAddon; readonly path: string }
+  | { readonly errors: readonly string[]; readonly message: string; readonly platform: PlatformInfo; readonly prebuilds: readonly string[] };
 
 let cached: LoadResult | undefined;
 
 /** Try every candidate; never throws. The result is cached per process. */
 export function tryLoadNative(): LoadResult {
   if (cached !== undefined) return cached;
-  const require = createRequire(import.meta.url);
-  const errors: string[] = [];
-  for (const path of addonCandidates()) {
-    if (!existsSync(path)) {
-      errors.push(`${path}: not found`);
-      continue;
-    }
-    try {
-      const addon = require(path) as NativeAddon;
-      cached = { addon, path };
-      return cached;
-    } catch (e) {
-      errors.push(`${path}: ${e instanceof Error ? e.message : String(e)}`);
-    }
-  }
-  cached = { errors };
+  const r = loadAddon<NativeAddon>(ADDON_SPEC);
+  cached =
+    r.addon !== undefined && r.path !== undefined
+      ? { addon: r.addon, path: r.path }
+      : { errors: r.errors, message: loadFailureMessage(ADDON_SPEC, r), platform: r.platform, prebuilds: r.prebuilds };
   return cached;
 }
 
-/** The addon, or BackendUnavailableError listing every path tried and its error. */
+/** The addon, or BackendUnavailableError naming the platform, the prebuilds, what to install and every path tried. */
 export function loadNative(): NativeAddon {
   const r = tryLoadNative();
   if ('addon' in r) return r.addon;
-  throw new BackendUnavailableError(`the rdma-verbs native addon could not be loaded (run \`npm run build:native\`): ${r.errors.join('; ')}`, {
-    details: { tried: r.errors },
+  throw new BackendUnavailableError(r.message, {
+    details: { tried: r.errors, platform: r.platform, prebuilds: r.prebuilds, install: sourceBuildHint(ADDON_SPEC) },
   });
 }
 

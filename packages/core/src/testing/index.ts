@@ -1,3 +1,4 @@
+/// <reference types="node" preserve="true" />
 /**
  * `@tensorwire/core/testing`: the conformance suite every transport runs against itself.
  *
