@@ -265,7 +265,7 @@ export interface RemoteRangeGrant {
   readonly rangeLengths: Float64Array;
 }
 
-interface EndpointInfo {
+export interface EndpointInfo {
   readonly hostId: string;
   readonly presence: string;
   readonly pid: number;

@@ -160,7 +160,7 @@ interface PendingGroup {
 }
 
 /** Entries kept in {@link StreamTransport.peerEventCounts}. */
-type PeerEventCounts = Record<PeerEvent, number>;
+export type PeerEventCounts = Record<PeerEvent, number>;
 
 function positiveInt(name: string, v: number): number {
   if (!Number.isSafeInteger(v) || v < 1 || v > 0x7fffffff) throw new InvalidInputError(`${name} must be an integer from 1 to 2^31-1, got ${v}`, { details: { field: name } });
