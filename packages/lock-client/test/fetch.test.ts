@@ -183,13 +183,25 @@ describe('fetch across processes', () => {
   });
 
   it('requesters SIGKILLed mid-fetch: the GC expires their leases and revokes each grant exactly once; counters balance', async () => {
-    const h = await holder(256, 600);
+    // Leases of 3 s: long enough for a fetch on a loaded machine, short enough for the GC to
+    // expire the killed requesters' leases within the test.
+    const h = await holder(256, 3000);
     const kids = [0, 1, 2].map(() => {
       const child = fork(fileURLToPath(new URL('./fixtures/fetcher.mjs', import.meta.url)), [h.address, '256', String(BLOCK)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'], execArgv: [] });
       children.add(child);
       return child;
     });
-    await Promise.all(kids.map((c) => once(c, 'message')));
+    // Each child reports once it holds its lease; one that dies first fails the test at once.
+    await Promise.all(
+      kids.map((c) =>
+        Promise.race([
+          once(c, 'message'),
+          once(c, 'exit').then(([code, signal]) => {
+            throw new Error(`fetcher ${c.pid} exited (${String(code ?? signal)}) before it held its lease`);
+          }),
+        ]),
+      ),
+    );
     expect(h.server.counters().active).toBe(3);
     for (const c of kids) {
       const exited = once(c, 'exit');
