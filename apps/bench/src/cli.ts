@@ -15,6 +15,7 @@ import { SCHEMA_VERSION } from './schema.js';
 import { SCENARIOS, type ScenarioName } from './scenarios/index.js';
 import { runScenario, runSettings } from './scenarios/run.js';
 import { kvScenario, kvSettings } from './scenarios/kv.js';
+import { locksBurst } from './scenarios/locks.js';
 import { TRANSPORT_CHOICES, type TransportChoice } from './transports.js';
 import { startHolder } from './holder.js';
 import { runFetcher } from './fetcher.js';
@@ -258,10 +259,18 @@ export function program(): Command {
         o,
       );
     });
+  withGlobals(p.command('locks').description('lease acquire/release cycles vs a plain gRPC echo; requesters killed mid-lease; --burst N: N releases at once vs N echoes'))
+    .option('--burst <n>', 'release N leases at once (and send N echoes at once) instead of cycles')
+    .option('--rounds <n>', 'interleaved burst rounds (default 3, 1 with --quick)')
+    .option('--against <dir>', "another build's lock-client dist to measure in the same rounds")
+    .action((o: GlobalOptions & { burst?: string; rounds?: string; against?: string }) => {
+      const burst = whole(o.burst, '--burst');
+      const rounds = whole(o.rounds, '--rounds');
+      return execute('locks', [burst ? (ctx) => locksBurst(ctx, { burst, ...(rounds ? { rounds } : {}), ...(o.against ? { against: o.against } : {}) }) : SCENARIOS.locks], o);
+    });
   for (const [name, description] of [
     ['tcp', 'TCP transport READ vs a raw node:net stream, block-size sweep'],
     ['pool', 'shared-memory pool: producer writes vs memcpy, consumer pass over a view vs local memory'],
-    ['locks', 'lease acquire/release cycles vs a plain gRPC echo; requesters killed mid-lease'],
     ['rdma', 'RDMA READ/WRITE with 1, 2, 4 QPs vs perftest (needs an RDMA device)'],
   ] as const) {
     withGlobals(p.command(name).description(description)).action((opts: GlobalOptions) => execute(name, [SCENARIOS[name as ScenarioName]], opts));

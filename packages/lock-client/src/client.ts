@@ -10,9 +10,13 @@
  * - a guard dropped without disposal → released by a finalizer when it is collected;
  * - `client.close()` → every live guard is released.
  *
- * A failed release is retried with backoff until the lease would have expired anyway,
- * then reported through the `releaseFailed` event and the `release_failures_total`
- * metric. Release never throws.
+ * Releases (and auto-renews) go through one queue per holder ({@link HolderLane}): sent in
+ * batches (`ReleaseMany` / `RenewMany`, unary calls against an older holder), with a bound
+ * on calls in flight, and retried through the same queue with jittered backoff and a
+ * per-holder retry budget, so a burst of releases or a failing holder turns into
+ * backpressure rather than a retry storm. A release that cannot be confirmed before the
+ * lease would have expired anyway is reported through the `releaseFailed` event and the
+ * `release_failures_total` metric. Release never throws.
  */
 import { randomBytes } from 'node:crypto';
 import { EventEmitter } from 'node:events';
@@ -32,22 +36,29 @@ import {
 } from '@tensorwire/core';
 import { fetchBlocks, type FetchDestination, type FetchGuard, type FetchOptions } from './fetch.js';
 import { Registry } from 'prom-client';
-import { fromGrpcError, isPermanentReleaseFailure } from './errors.js';
+import { fromGrpcError } from './errors.js';
+import { HolderLane, type LaneHooks, type LaneStats, type LaneTransport, type ReleaseResult, type RetryBudget } from './holder-lane.js';
 import { blockIdProblem, occursBefore, PAIRWISE_MAX } from './ids.js';
-import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type LockClientCounters } from './metrics.js';
+import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type ClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
+  RETRY_AFTER_METADATA_KEY,
   loadLockProtocol,
   type AcquireResponseMsg,
   type HealthResponseMsg,
   type LockServiceClient,
+  type ReleaseManyResponseMsg,
   type ReleaseResponseMsg,
+  type RenewManyResponseMsg,
+  type RenewResponseMsg,
 } from './proto.js';
 
+export type { ReleaseResult, RetryBudget } from './holder-lane.js';
+
 export interface ReleaseRetryOptions {
-  /** First delay after a failed release (ms, default 50). */
+  /** First pause after a failed release, renew or overloaded acquire (ms, default 50). */
   readonly initialDelayMs?: number;
-  /** Longest delay between attempts (ms, default 2000). */
+  /** Longest pause between attempts (ms, default 2000). */
   readonly maxDelayMs?: number;
 }
 
@@ -79,6 +90,15 @@ export interface LockClientOptions {
   readonly assumedLockTimeoutMs?: number;
   /** How long `close()` waits for releases in flight (ms, default 5000). */
   readonly closeTimeoutMs?: number;
+  /** Release/renew calls in flight to one holder at most (default 4). */
+  readonly maxCallsInFlightPerHolder?: number;
+  /** Entries in one ReleaseMany / RenewMany at most (default 1024). */
+  readonly maxBatch?: number;
+  /**
+   * Per-holder budget for release retries: a token bucket, one token per retry call
+   * (default `{ burst: 20, perSecond: 10, perSuccess: 1 }`). When it is empty, retries wait.
+   */
+  readonly retryBudget?: RetryBudget;
 }
 
 export interface CallOptions {
@@ -102,17 +122,6 @@ export interface AcquireOptions extends CallOptions {
 export interface RenewOptions extends CallOptions {
   /** New lease from now (ms). Default: the lease granted last time. */
   readonly leaseMs?: number;
-}
-
-/** How a release ended. Never thrown: read it, or listen to `releaseFailed`. */
-export interface ReleaseResult {
-  /** The holder answered (`blocksReleased` is then its count; 0 if the lease was already gone). */
-  readonly confirmed: boolean;
-  readonly blocksReleased: number;
-  /** Release RPCs sent. */
-  readonly attempts: number;
-  /** The last error, when not confirmed. */
-  readonly error?: TensorwireError;
 }
 
 /** Payload of the `releaseFailed` and `releaseRetry` events. */
@@ -213,8 +222,11 @@ interface LeaseRecord {
   deadline: number;
   state: 'active' | 'lost' | 'releasing' | 'released';
   budgetTimer: NodeJS.Timeout | undefined;
-  renewTimer: NodeJS.Timeout | undefined;
-  autoRenewEveryMs: number | undefined;
+  /** On its holder lane's auto-renew schedule. */
+  autoRenew: boolean;
+  renewEveryMs: number;
+  renewNextAt: number;
+  renewState: 0 | 1 | 2;
   releasing: Promise<ReleaseResult> | undefined;
   /** Dropped by `dropLeases` (the holder's incarnation ended): never released by RPC. */
   dropped?: boolean;
@@ -357,15 +369,20 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   /** Cancels for acquires in flight (close abandons them). */
   readonly #inflight = new Set<(error: TensorwireError) => void>();
   readonly #lockTimeouts = new Map<string, number>();
+  readonly #lanes = new Map<string, HolderLane<LeaseRecord>>();
+  readonly #laneHooks: (holder: string) => LaneHooks<LeaseRecord>;
   readonly #closeController = new AbortController();
   readonly #finalizer: FinalizationRegistry<LeaseRecord>;
-  readonly #unregisterMetrics: () => void;
+  readonly #metrics: ClientMetrics;
   readonly #ops: ClientOps;
   #closing: Promise<void> | undefined;
+  #closeDeadline: number | undefined;
   #isClosing = false;
   #acquired = 0;
   #released = 0;
   #releaseFailures = 0;
+  #expired = 0;
+  #acquireRetries = 0;
   #dropped = 0;
   #releaseRetries = 0;
   #abandoned = 0;
@@ -384,7 +401,35 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     this.#metadata = new grpc.Metadata();
     if (options.token !== undefined) this.#metadata.set(AUTH_METADATA_KEY, `Bearer ${options.token}`);
     this.registry = options.registry ?? new Registry();
-    this.#unregisterMetrics = registerClientMetrics(this.registry, options.metricsPrefix ?? DEFAULT_CLIENT_METRICS_PREFIX, () => this.counters());
+    this.#metrics = registerClientMetrics(this.registry, options.metricsPrefix ?? DEFAULT_CLIENT_METRICS_PREFIX, () => this.counters(), () => this.#laneStats());
+    this.#laneHooks = (holder) => ({
+      releaseRetry: (info, error, delayMs) => {
+        this.#releaseRetries++;
+        this.emit('releaseRetry', { holder, sessionId: info.sessionId || undefined, acquireId: info.acquireId || undefined, attempts: info.attempts, error, delayMs });
+      },
+      releaseFailed: (info, error) => {
+        this.#logger.warn('lock: release failed; the holder will expire the lease', {
+          holder,
+          sessionId: info.sessionId || undefined,
+          acquireId: info.acquireId || undefined,
+          attempts: info.attempts,
+          error: error.message,
+        });
+        this.emit('releaseFailed', { holder, sessionId: info.sessionId || undefined, acquireId: info.acquireId || undefined, attempts: info.attempts, error });
+      },
+      batch: (kind, entries) => this.#metrics.observeBatch(holder, kind, entries),
+      renewed: (r, sentAt, leaseMs) => {
+        if (r.state !== 'active') return;
+        r.leaseMs = leaseMs;
+        r.deadline = Math.max(r.deadline, sentAt + leaseMs);
+        this.#armBudget(r);
+      },
+      renewLost: (r, error) => this.#lose(r, error),
+      renewFailed: (r, error, retryAt) => {
+        this.#logger.warn('lock: auto-renew failed', { sessionId: r.sessionId, error: error.message, retryInMs: retryAt === undefined ? undefined : Math.round(retryAt - now()) });
+        if (retryAt === undefined) r.autoRenew = false;
+      },
+    });
     this.#finalizer = new FinalizationRegistry((record) => this.#onGuardCollected(record));
     this.#ops = {
       signal: (r) => this.#signal(r),
@@ -393,17 +438,83 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     };
   }
 
-  /** Requester-side counters: `acquired = released + releaseFailures + dropped + active`. */
+  /** Requester-side counters: `acquired = released + releaseFailures + expired + dropped + active`. */
   counters(): LockClientCounters {
+    let releaseBatches = 0;
+    let renewBatches = 0;
+    let budgetExhausted = 0;
+    let overloaded = 0;
+    let releaseQueued = 0;
+    for (const lane of this.#lanes.values()) {
+      const st = lane.stats();
+      releaseBatches += st.releaseBatches;
+      renewBatches += st.renewBatches;
+      budgetExhausted += st.budgetExhausted;
+      overloaded += st.overloaded;
+      releaseQueued += st.releaseQueued;
+    }
     return {
       acquired: this.#acquired,
       released: this.#released,
       releaseFailures: this.#releaseFailures,
+      expired: this.#expired,
       dropped: this.#dropped,
-      active: this.#acquired - this.#released - this.#releaseFailures - this.#dropped,
+      active: this.#acquired - this.#released - this.#releaseFailures - this.#expired - this.#dropped,
       releaseRetries: this.#releaseRetries,
       abandonedAcquires: this.#abandoned,
       leakedGuards: this.#leaked,
+      acquireRetries: this.#acquireRetries,
+      releaseBatches,
+      renewBatches,
+      budgetExhausted,
+      overloaded,
+      releaseQueued,
+    };
+  }
+
+  /** Per holder: its release queue, renew schedule, batches, retries and budget. */
+  holderStats(): Map<string, LaneStats> {
+    return new Map(this.#laneStats());
+  }
+
+  *#laneStats(): IterableIterator<[string, LaneStats]> {
+    for (const [holder, lane] of this.#lanes) yield [holder, lane.stats()];
+  }
+
+  #lane(holder: string): HolderLane<LeaseRecord> {
+    let lane = this.#lanes.get(holder);
+    if (lane === undefined) {
+      const retry = this.#opts.releaseRetry ?? {};
+      lane = new HolderLane<LeaseRecord>(holder, this.#laneTransport(holder), this.#laneHooks(holder), {
+        ...(this.#opts.maxCallsInFlightPerHolder !== undefined ? { maxInFlight: this.#opts.maxCallsInFlightPerHolder } : {}),
+        ...(this.#opts.maxBatch !== undefined ? { maxBatch: this.#opts.maxBatch } : {}),
+        ...(this.#opts.retryBudget !== undefined ? { retryBudget: this.#opts.retryBudget } : {}),
+        releaseTimeoutMs: this.#opts.releaseTimeoutMs ?? 5000,
+        renewTimeoutMs: this.#opts.defaultTimeoutMs ?? 10_000,
+        initialDelayMs: retry.initialDelayMs ?? 50,
+        maxDelayMs: retry.maxDelayMs ?? 2000,
+      });
+      this.#lanes.set(holder, lane);
+      // A lane made while closing (a holder first released during close) gets what is left of the limit.
+      // Started after the caller has queued its release (a microtask later), or the lane would stop empty.
+      const closeBy = this.#closeDeadline;
+      const made = lane;
+      if (closeBy !== undefined) this.#track(Promise.resolve().then(() => made.close(Math.max(0, closeBy - now()))));
+    }
+    return lane;
+  }
+
+  #laneTransport(holder: string): LaneTransport {
+    const requesterId = this.requesterId;
+    return {
+      releaseMany: (sessionIds, acquireIds, timeoutMs, signal) =>
+        this.#call<ReleaseManyResponseMsg>(holder, 'release', (c, md, o, cb) => c.ReleaseMany({ requesterId, sessionIds, acquireIds }, md, o, cb), timeoutMs, signal),
+      release: (sessionId, acquireId, timeoutMs, signal) =>
+        this.#call<ReleaseResponseMsg>(holder, 'release', (c, md, o, cb) => c.Release({ requesterId, sessionId, acquireId }, md, o, cb), timeoutMs, signal).then((r) => r.released),
+      renewMany: (sessionIds, leaseMs, timeoutMs, signal) =>
+        this.#call<RenewManyResponseMsg>(holder, 'renew', (c, md, o, cb) => c.RenewMany({ requesterId, sessionIds, leaseMs }, md, o, cb), timeoutMs, signal),
+      renew: (sessionId, leaseMs, timeoutMs, signal) =>
+        this.#call<RenewResponseMsg>(holder, 'renew', (c, md, o, cb) => c.Renew({ requesterId, sessionId, leaseMs }, md, o, cb), timeoutMs, signal),
     };
   }
 
@@ -455,8 +566,12 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
         settled = true;
         signal?.removeEventListener('abort', onAbort);
         if (cancelOnClose) this.#inflight.delete(cancel);
-        if (err || res === undefined) reject(fromGrpcError(err, what, { holder }));
-        else resolve(res);
+        if (err || res === undefined) {
+          // An overloaded holder says when to come back (and that it did nothing).
+          const after = err?.code === grpc.status.RESOURCE_EXHAUSTED ? err.metadata?.get(RETRY_AFTER_METADATA_KEY)[0] : undefined;
+          const retryAfterMs = after === undefined ? undefined : Number(after);
+          reject(fromGrpcError(err, what, retryAfterMs !== undefined && Number.isFinite(retryAfterMs) && retryAfterMs >= 0 ? { holder, retryAfterMs } : { holder }));
+        } else resolve(res);
       });
       signal?.addEventListener('abort', onAbort, { once: true });
       if (cancelOnClose) this.#inflight.add(cancel);
@@ -511,25 +626,46 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     // One frozen copy serves the request (the codec only reads it) and the guard.
     const ids = Object.freeze([...blockIds]);
     const acquireId = randomToken();
-    const sentAt = now();
+    const until = now() + timeoutMs;
+    const retry = this.#opts.releaseRetry ?? {};
+    let delay = retry.initialDelayMs ?? 50;
+    let sentAt = now();
     let res: AcquireResponseMsg;
-    try {
-      res = await this.#call<AcquireResponseMsg>(
-        holder,
-        'acquire',
-        (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId }, md, o, cb),
-        timeoutMs,
-        signal,
-        true,
-      );
-    } catch (e) {
-      const error = e as TensorwireError;
-      if (mayHaveGranted(error)) {
-        this.#abandoned++;
-        const giveUpAt = sentAt + (leaseMs || this.#lockTimeouts.get(holder) || this.#opts.assumedLockTimeoutMs || 30_000);
-        this.#track(this.#releaseWithRetry(holder, { acquireId }, giveUpAt));
+    for (;;) {
+      sentAt = now();
+      try {
+        res = await this.#call<AcquireResponseMsg>(
+          holder,
+          'acquire',
+          (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId }, md, o, cb),
+          Math.max(1, until - sentAt),
+          signal,
+          true,
+        );
+        break;
+      } catch (e) {
+        const error = e as TensorwireError;
+        const retryAfter = error.details['retryAfterMs'];
+        if (typeof retryAfter === 'number' && !this.#isClosing) {
+          // The holder was past its concurrency limit and did nothing: back off, try again.
+          const wait = Math.max(retryAfter, delay * (0.75 + Math.random() * 0.5));
+          delay = Math.min(retry.maxDelayMs ?? 2000, delay * 2);
+          if (now() + wait < until) {
+            this.#acquireRetries++;
+            const stop = signal === undefined ? this.#closeController.signal : AbortSignal.any([signal, this.#closeController.signal]);
+            await sleep(wait, stop);
+            if (signal?.aborted) throw errorFromSignal(signal, 'acquire');
+            if (this.#isClosing) throw new ClosedError('lock client closed during acquire');
+            continue;
+          }
+        }
+        if (mayHaveGranted(error)) {
+          this.#abandoned++;
+          const giveUpAt = sentAt + (leaseMs || this.#lockTimeouts.get(holder) || this.#opts.assumedLockTimeoutMs || 30_000);
+          this.#track(this.#lane(holder).release({ acquireId }, giveUpAt));
+        }
+        throw error;
       }
-      throw error;
     }
 
     const descriptors = new Map<string, readonly Uint8Array[]>();
@@ -551,8 +687,10 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       deadline: sentAt + res.leaseMs,
       state: 'active',
       budgetTimer: undefined,
-      renewTimer: undefined,
-      autoRenewEveryMs: undefined,
+      autoRenew: false,
+      renewEveryMs: 0,
+      renewNextAt: 0,
+      renewState: 0,
       releasing: undefined,
     };
     this.#acquired++;
@@ -568,8 +706,10 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     this.#armBudget(record);
     if (options.autoRenew) {
       const every = typeof options.autoRenew === 'object' ? options.autoRenew.everyMs : undefined;
-      record.autoRenewEveryMs = every ?? Math.max(1, Math.floor(record.leaseMs / 2));
-      this.#armRenew(record, record.autoRenewEveryMs);
+      record.renewEveryMs = Math.max(1, every ?? Math.floor(record.leaseMs / 2));
+      record.autoRenew = true;
+      // One timer per holder, not per lease: the holder's lane renews due leases in batches.
+      this.#lane(holder).addAutoRenew(record);
     }
     return guard;
   }
@@ -616,25 +756,13 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     }
   }
 
-  #armRenew(r: LeaseRecord, ms: number): void {
-    if (r.renewTimer) clearTimeout(r.renewTimer);
-    r.renewTimer = setTimeout(() => {
-      r.renewTimer = undefined;
-      if (r.state !== 'active') return;
-      this.#renew(r, {}).then(
-        () => {
-          if (r.state === 'active' && r.autoRenewEveryMs !== undefined) this.#armRenew(r, r.autoRenewEveryMs);
-        },
-        (e: unknown) => {
-          if (r.state !== 'active') return;
-          // Transient failure: try again soon while the budget lasts.
-          const left = r.deadline - r.marginMs - now();
-          this.#logger.warn('lock: auto-renew failed', { sessionId: r.sessionId, error: String(e), leftMs: left });
-          if (left > 0) this.#armRenew(r, Math.max(1, Math.min(1000, left / 4)));
-        },
-      );
-    }, ms);
-    r.renewTimer.unref();
+  /** The holder no longer knows the lease: mark it lost and fire its signal. */
+  #lose(r: LeaseRecord, error: TensorwireError): void {
+    if (r.state !== 'active') return;
+    r.state = 'lost';
+    this.#stopTimers(r);
+    this.#endSignal(r, () => error);
+    this.emit('leaseLost', { holder: r.holder, sessionId: r.sessionId, error });
   }
 
   async #renew(r: LeaseRecord, options: RenewOptions): Promise<number> {
@@ -660,22 +788,18 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     } catch (e) {
       const error = e as TensorwireError;
       const code = error.details['grpcCode'];
-      if ((code === grpc.status.NOT_FOUND || code === grpc.status.PERMISSION_DENIED) && r.state === 'active') {
-        r.state = 'lost';
-        this.#stopTimers(r);
-        this.#endSignal(r, () => error);
-        this.emit('leaseLost', { holder: r.holder, sessionId: r.sessionId, error });
-      }
+      if (code === grpc.status.NOT_FOUND || code === grpc.status.PERMISSION_DENIED) this.#lose(r, error);
       throw error;
     }
   }
 
   #stopTimers(r: LeaseRecord): void {
     if (r.budgetTimer) clearTimeout(r.budgetTimer);
-    if (r.renewTimer) clearTimeout(r.renewTimer);
     r.budgetTimer = undefined;
-    r.renewTimer = undefined;
-    r.autoRenewEveryMs = undefined;
+    if (r.autoRenew) {
+      r.autoRenew = false;
+      this.#lanes.get(r.holder)?.removeAutoRenew(r);
+    }
   }
 
   /**
@@ -724,10 +848,11 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   /** The release of one lease, with its bookkeeping; leaves `#pending` when done. */
   async #releaseLease(r: LeaseRecord): Promise<ReleaseResult> {
     try {
-      const result = await this.#releaseWithRetry(r.holder, { sessionId: r.sessionId }, r.deadline);
+      const result = await this.#lane(r.holder).release({ sessionId: r.sessionId }, r.deadline);
       r.state = 'released';
       this.#records.delete(r);
       if (result.confirmed) this.#released++;
+      else if (result.expired === true) this.#expired++;
       else this.#releaseFailures++;
       return result;
     } finally {
@@ -739,48 +864,6 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   #track(p: Promise<unknown>): void {
     this.#pending.add(p);
     void p.finally(() => this.#pending.delete(p));
-  }
-
-  async #releaseWithRetry(holder: string, target: { sessionId?: string; acquireId?: string }, giveUpAt: number): Promise<ReleaseResult> {
-    const retry = this.#opts.releaseRetry ?? {};
-    let delay = retry.initialDelayMs ?? 50;
-    const maxDelay = retry.maxDelayMs ?? 2000;
-    const perAttempt = this.#opts.releaseTimeoutMs ?? 5000;
-    let attempts = 0;
-    for (;;) {
-      attempts++;
-      let error: TensorwireError;
-      try {
-        const res = await this.#call<ReleaseResponseMsg>(
-          holder,
-          'release',
-          (c, md, o, cb) =>
-            c.Release({ requesterId: this.requesterId, sessionId: target.sessionId ?? '', acquireId: target.acquireId ?? '' }, md, o, cb),
-          perAttempt,
-          undefined,
-        );
-        return { confirmed: true, blocksReleased: res.released, attempts };
-      } catch (e) {
-        error = e as TensorwireError;
-      }
-      const info = { holder, sessionId: target.sessionId, acquireId: target.acquireId, attempts, error };
-      const wait = Math.min(maxDelay, delay) * (0.75 + Math.random() * 0.5);
-      if (isPermanentReleaseFailure(error) || this.#closeController.signal.aborted || now() + wait >= giveUpAt) {
-        this.#logger.warn('lock: release failed; the holder will expire the lease', {
-          holder,
-          sessionId: target.sessionId,
-          acquireId: target.acquireId,
-          attempts,
-          error: error.message,
-        });
-        this.emit('releaseFailed', info);
-        return { confirmed: false, blocksReleased: 0, attempts, error };
-      }
-      this.#releaseRetries++;
-      this.emit('releaseRetry', { ...info, delayMs: wait });
-      await sleep(wait, this.#closeController.signal);
-      delay = Math.min(maxDelay, delay * 2);
-    }
   }
 
   #onGuardCollected(r: LeaseRecord): void {
@@ -813,24 +896,18 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     // Let the cancelled acquires' handlers run: each registers the release of a grant that may
     // have happened, and close must wait for those too.
     await new Promise<void>((resolve) => setImmediate(resolve));
-    for (const r of this.#records) void this.#release(r);
-    const limit = this.#opts.closeTimeoutMs ?? 5000;
-    let timer: NodeJS.Timeout | undefined;
-    const timeout = new Promise<void>((resolve) => {
-      timer = setTimeout(resolve, limit);
-    });
-    // Stop retry back-off sleeps after the first round so close is bounded.
-    const stopRetries = setTimeout(() => this.#closeController.abort(), Math.min(limit, 1000));
-    while (this.#pending.size > 0) {
-      const settled = await Promise.race([Promise.allSettled([...this.#pending]).then(() => true), timeout.then(() => false)]);
-      if (!settled) break;
-    }
-    clearTimeout(timer);
-    clearTimeout(stopRetries);
     this.#closeController.abort();
+    const limit = this.#opts.closeTimeoutMs ?? 5000;
+    this.#closeDeadline = now() + limit;
+    const lanes = [...this.#lanes.values()];
+    for (const r of this.#records) void this.#release(r);
+    // Each lane sends what is queued (retrying failures during its first second), and at the
+    // limit cancels its calls in flight and fails what is left: every release then resolves.
+    await Promise.all(lanes.map((lane) => lane.close(limit)));
+    while (this.#pending.size > 0) await Promise.allSettled([...this.#pending]);
     for (const c of this.#channels.values()) c.close();
     this.#channels.clear();
-    this.#unregisterMetrics();
+    this.#metrics.unregister();
   }
 
   async [Symbol.asyncDispose](): Promise<void> {

@@ -28,6 +28,11 @@ import type {
   HealthResponseMsg,
   ReleaseRequestMsg,
   ReleaseResponseMsg,
+  EntryErrorMsg,
+  ReleaseManyRequestMsg,
+  ReleaseManyResponseMsg,
+  RenewManyRequestMsg,
+  RenewManyResponseMsg,
   RenewRequestMsg,
   RenewResponseMsg,
 } from './proto.js';
@@ -91,6 +96,11 @@ interface RawRenewResponse {
   deadlineUnixMs: U64;
   leaseMs: number;
 }
+interface RawRenewManyResponse {
+  deadlineUnixMs: U64[];
+  leaseMs: number[];
+  errors: EntryErrorMsg[];
+}
 interface RawHealthResponse {
   status: number;
   holderId: string;
@@ -113,6 +123,21 @@ export interface LockCodec {
   RenewResponse: MessageCodec<RenewResponseMsg>;
   HealthRequest: MessageCodec<HealthRequestMsg>;
   HealthResponse: MessageCodec<HealthResponseMsg>;
+  ReleaseManyRequest: MessageCodec<ReleaseManyRequestMsg>;
+  ReleaseManyResponse: MessageCodec<ReleaseManyResponseMsg>;
+  RenewManyRequest: MessageCodec<RenewManyRequestMsg>;
+  RenewManyResponse: MessageCodec<RenewManyResponseMsg>;
+}
+
+function entryErrors(v: EntryErrorMsg[]): EntryErrorMsg[] {
+  if (v.length === 0) return [];
+  const out: EntryErrorMsg[] = [];
+  for (const e of v) out.push({ index: e.index, code: e.code, message: e.message });
+  return out;
+}
+
+function checkStrings(v: unknown, field: string): void {
+  if (v != null && !Array.isArray(v)) throw new TypeError(`${field}: array expected`);
 }
 
 /** Descriptors must be bytes (protobufjs would write anything else as an empty field). */
@@ -149,6 +174,10 @@ export function createLockCodec(protoPath: string): LockCodec {
   const tRenewRes = type('RenewResponse');
   const tHealthReq = type('HealthRequest');
   const tHealthRes = type('HealthResponse');
+  const tReleaseManyReq = type('ReleaseManyRequest');
+  const tReleaseManyRes = type('ReleaseManyResponse');
+  const tRenewManyReq = type('RenewManyRequest');
+  const tRenewManyRes = type('RenewManyResponse');
   const statusEnum = root.lookupEnum(`${PACKAGE}.HealthResponse.Status`);
   const statusNumber = new Map<string, number>(Object.entries(statusEnum.values));
   const statusName: (string | undefined)[] = [];
@@ -220,6 +249,44 @@ export function createLockCodec(protoPath: string): LockCodec {
       decode: (b) => {
         dec(tHealthReq, b); // still refuse a malformed message
         return {};
+      },
+    },
+    ReleaseManyRequest: {
+      encode: (m) => {
+        checkStrings(m.sessionIds, 'sessionIds');
+        checkStrings(m.acquireIds, 'acquireIds');
+        return enc(tReleaseManyReq, m);
+      },
+      decode: (b) => {
+        const r = dec<ReleaseManyRequestMsg>(tReleaseManyReq, b);
+        return { requesterId: r.requesterId, sessionIds: list(r.sessionIds), acquireIds: list(r.acquireIds) };
+      },
+    },
+    ReleaseManyResponse: {
+      encode: (m) => enc(tReleaseManyRes, m),
+      decode: (b) => {
+        const r = dec<ReleaseManyResponseMsg>(tReleaseManyRes, b);
+        return { released: list(r.released), errors: entryErrors(r.errors) };
+      },
+    },
+    RenewManyRequest: {
+      encode: (m) => {
+        checkStrings(m.sessionIds, 'sessionIds');
+        checkStrings(m.leaseMs, 'leaseMs');
+        return enc(tRenewManyReq, m);
+      },
+      decode: (b) => {
+        const r = dec<RenewManyRequestMsg>(tRenewManyReq, b);
+        return { requesterId: r.requesterId, sessionIds: list(r.sessionIds), leaseMs: list(r.leaseMs) };
+      },
+    },
+    RenewManyResponse: {
+      encode: (m) => enc(tRenewManyRes, m),
+      decode: (b) => {
+        const r = dec<RawRenewManyResponse>(tRenewManyRes, b);
+        const deadlines: number[] = new Array<number>(r.deadlineUnixMs.length);
+        for (let i = 0; i < deadlines.length; i++) deadlines[i] = u64(r.deadlineUnixMs[i] as U64);
+        return { deadlineUnixMs: deadlines, leaseMs: list(r.leaseMs), errors: entryErrors(r.errors) };
       },
     },
     HealthResponse: {

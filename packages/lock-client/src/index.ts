@@ -1,3 +1,4 @@
+/// <reference types="node" preserve="true" />
 /**
  * `@tensorwire/lock-client`: transfer locks. A requester pins blocks on a holder under a
  * lease while it moves their bytes; the guard releases exactly once on every exit path.
@@ -20,20 +21,27 @@ export type {
   ReleaseResult,
   ReleaseRetryOptions,
   RenewOptions,
+  RetryBudget,
 } from './client.js';
+export type { LaneStats } from './holder-lane.js';
 export type { LockClientCounters } from './metrics.js';
 export { DEFAULT_CLIENT_METRICS_PREFIX } from './metrics.js';
 export { fromGrpcError, LeaseError } from './errors.js';
 export type { LeaseStatus } from './errors.js';
-export { AUTH_METADATA_KEY, LOCK_PROTO_PATH, LOCK_SERVICE_NAME, loadLockProtocol } from './proto.js';
+export { AUTH_METADATA_KEY, RETRY_AFTER_METADATA_KEY, LOCK_PROTO_PATH, LOCK_SERVICE_NAME, loadLockProtocol } from './proto.js';
 export type {
   AcquireRequestMsg,
   AcquireResponseMsg,
   BlockGrantMsg,
   HealthResponseMsg,
   LockServiceClient,
+  EntryErrorMsg,
+  ReleaseManyRequestMsg,
+  ReleaseManyResponseMsg,
   ReleaseRequestMsg,
   ReleaseResponseMsg,
+  RenewManyRequestMsg,
+  RenewManyResponseMsg,
   RenewRequestMsg,
   RenewResponseMsg,
 } from './proto.js';

@@ -48,6 +48,35 @@ export interface RenewResponseMsg {
   deadlineUnixMs: number;
   leaseMs: number;
 }
+/** A per-entry failure in a batched call: `code` is the gRPC status the unary call would give. */
+export interface EntryErrorMsg {
+  index: number;
+  code: number;
+  message: string;
+}
+export interface ReleaseManyRequestMsg {
+  requesterId: string;
+  /** Entries by session id. */
+  sessionIds: string[];
+  /** Entries by acquire id; indices in `errors`/`released` continue after `sessionIds`. */
+  acquireIds: string[];
+}
+export interface ReleaseManyResponseMsg {
+  /** Blocks released per entry (session ids, then acquire ids). */
+  released: number[];
+  errors: EntryErrorMsg[];
+}
+export interface RenewManyRequestMsg {
+  requesterId: string;
+  sessionIds: string[];
+  /** Per entry; empty means 0 (the lock timeout) for every entry. */
+  leaseMs: number[];
+}
+export interface RenewManyResponseMsg {
+  deadlineUnixMs: number[];
+  leaseMs: number[];
+  errors: EntryErrorMsg[];
+}
 export type HealthRequestMsg = Record<string, never>;
 export interface HealthResponseMsg {
   status: 'UNKNOWN' | 'SERVING' | 'DRAINING';
@@ -70,6 +99,8 @@ export interface LockServiceClient extends grpc.Client {
   Release: Unary<ReleaseRequestMsg, ReleaseResponseMsg>;
   Renew: Unary<RenewRequestMsg, RenewResponseMsg>;
   Health: Unary<HealthRequestMsg, HealthResponseMsg>;
+  ReleaseMany: Unary<ReleaseManyRequestMsg, ReleaseManyResponseMsg>;
+  RenewMany: Unary<RenewManyRequestMsg, RenewManyResponseMsg>;
 }
 
 export interface LockServiceClientConstructor {
@@ -108,11 +139,20 @@ export function loadLockProtocol(): { service: grpc.ServiceDefinition; Client: L
     Release: method('Release', c.ReleaseRequest, c.ReleaseResponse),
     Renew: method('Renew', c.RenewRequest, c.RenewResponse),
     Health: method('Health', c.HealthRequest, c.HealthResponse),
+    ReleaseMany: method('ReleaseMany', c.ReleaseManyRequest, c.ReleaseManyResponse),
+    RenewMany: method('RenewMany', c.RenewManyRequest, c.RenewManyResponse),
   };
   const Client = grpc.makeGenericClientConstructor(service, 'LockService') as unknown as LockServiceClientConstructor;
   cached = { service: Client.service, Client };
   return cached;
 }
+
+/**
+ * Trailing-metadata key a holder past its concurrency limit sets on RESOURCE_EXHAUSTED: how
+ * long (ms) the requester should wait before retrying. Its presence also says that nothing
+ * was done, so the call is safe to repeat.
+ */
+export const RETRY_AFTER_METADATA_KEY = 'tensorwire-retry-after-ms';
 
 /** Metadata key carrying the shared token: `authorization: Bearer <token>`. */
 export const AUTH_METADATA_KEY = 'authorization';

@@ -118,7 +118,7 @@ describe('LockGuard releases exactly once on every exit path', () => {
     h = await harness();
     const err = await h.client.acquire(h.holder, ['block:holder1:1'], { signal: AbortSignal.abort() }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(AbortedError);
-    expect(h.server.counters().requests).toEqual({ acquire: 0, release: 0, renew: 0, health: 0 });
+    expect(h.server.counters().requests).toEqual({ acquire: 0, release: 0, renew: 0, health: 0, releaseMany: 0, renewMany: 0 });
   });
 
   it('a dropped promise: the guard is released when it is garbage-collected', async (ctx) => {
@@ -196,7 +196,8 @@ describe('release failures', () => {
     expect(result.confirmed).toBe(true);
     expect(result.blocksReleased).toBe(0);
     expect(result.attempts).toBeGreaterThan(1);
-    expect(again.counters()).toMatchObject({ acquired: 0, released: 0, active: 0, requests: { release: 1 } });
+    // One batched release call carrying the lease (the new holder has ReleaseMany).
+    expect(again.counters()).toMatchObject({ acquired: 0, released: 0, active: 0, requests: { release: 0, releaseMany: 1 }, releaseEntries: 1 });
     expect(client.counters().releaseRetries).toBe(result.attempts - 1);
     expect(await registry.metrics()).toMatch(new RegExp(`tensorwire_lock_client_release_retries_total ${result.attempts - 1}`));
     await client.close();
@@ -236,7 +237,7 @@ describe('release failures', () => {
     expect(result.error).toBeInstanceOf(RemoteRejectedError);
     expect((result.error as RemoteRejectedError).remoteCode).toBe('UNAUTHENTICATED');
     // Attempts before the holder was back failed to connect; once refused, no further attempt.
-    expect(strict.counters().requests.release).toBe(1);
+    expect(strict.counters().requests.releaseMany).toBe(1);
     expect(failures).toHaveLength(1);
     expect(h.client.counters()).toMatchObject({ releaseFailures: 1, active: 0 });
     await strict.close({ graceMs: 0 });
@@ -270,7 +271,7 @@ describe('renewal, budget and lease loss', () => {
     h = await harness({ lockTimeoutMs: 1000, minLeaseMs: 1000 }, { safetyMarginMs: 50 });
     await using lock = await h.client.acquire(h.holder, ['block:holder1:1'], { autoRenew: { everyMs: 100 } });
     const first = lock.deadline;
-    await waitFor(() => (h?.server.counters().requests.renew ?? 0) >= 30, 'renewals');
+    await waitFor(() => (h?.server.counters().renewEntries ?? 0) >= 30, 'renewals');
     expect(h.server.table.get(lock.sessionId)).toBeDefined();
     expect(lock.deadline).toBeGreaterThan(first);
     expect(lock.state).toBe('active');

@@ -26,7 +26,7 @@ interface Pair {
   ours: Codec;
 }
 
-function pairs(name: 'Acquire' | 'Release' | 'Renew' | 'Health'): { req: Pair; res: Pair } {
+function pairs(name: 'Acquire' | 'Release' | 'Renew' | 'Health' | 'ReleaseMany' | 'RenewMany'): { req: Pair; res: Pair } {
   const ref = refService[name] as unknown as grpc.MethodDefinition<never, never>;
   const ours = loadLockProtocol().service[name] as unknown as grpc.MethodDefinition<never, never>;
   return {
@@ -158,6 +158,28 @@ describe('lock protocol codec', () => {
         (m, u) => {
           agree(hea.req, {}, u);
           agree(hea.res, m, u);
+        },
+      ),
+      { numRuns: 200 },
+    );
+  });
+
+  it('ReleaseMany and RenewMany match protobufjs', () => {
+    const rel = pairs('ReleaseMany');
+    const ren = pairs('RenewMany');
+    const entryError = fc.record({ index: u32, code: fc.nat(16), message: text });
+    fc.assert(
+      fc.property(
+        fc.record({ requesterId: text, sessionIds: fc.array(text, { maxLength: 6 }), acquireIds: fc.array(text, { maxLength: 4 }) }),
+        fc.record({ released: fc.array(u32, { maxLength: 6 }), errors: fc.array(entryError, { maxLength: 3 }) }),
+        fc.record({ requesterId: text, sessionIds: fc.array(text, { maxLength: 6 }), leaseMs: fc.array(u32, { maxLength: 6 }) }),
+        fc.record({ deadlineUnixMs: fc.array(u64, { maxLength: 6 }), leaseMs: fc.array(u32, { maxLength: 6 }), errors: fc.array(entryError, { maxLength: 3 }) }),
+        unknownFields,
+        (a, b, c, d, u) => {
+          agree(rel.req, a, u);
+          agree(rel.res, b, u);
+          agree(ren.req, c, u);
+          agree(ren.res, d, u);
         },
       ),
       { numRuns: 200 },

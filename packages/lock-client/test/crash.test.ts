@@ -101,7 +101,7 @@ describe('crashes (real child processes, SIGKILL)', () => {
       second.send({ type: 'counters' });
       const c = (await message<{ counters: LockServerCounters }>(second, 'counters')).counters;
       expect(c).toMatchObject({ acquired: 0, released: 0, expired: 0, active: 0, rejected: 0 });
-      expect(c.requests.release).toBe(1);
+      expect(c.requests.releaseMany).toBe(1);
       expect(client.counters()).toMatchObject({ acquired: 1, released: 1, releaseFailures: 0, active: 0 });
       // The new incarnation serves new leases as usual.
       const again = await client.acquire(holder, ['block:holder1:1']);

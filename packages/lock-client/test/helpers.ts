@@ -18,7 +18,7 @@ export interface Harness {
   server: LockServer;
   holder: string;
   client: LockClient;
-  /** Release RPCs the server has received. */
+  /** Releases the server has received: unary Release calls plus ReleaseMany entries. */
   releases(): number;
   close(): Promise<void>;
 }
@@ -32,7 +32,7 @@ export async function harness(serverOpts: Partial<LockServerOptions> = {}, clien
     server,
     holder,
     client,
-    releases: () => server.counters().requests.release,
+    releases: () => server.counters().requests.release + server.counters().releaseEntries,
     async close() {
       await client.close();
       await server.close({ graceMs: 0 });

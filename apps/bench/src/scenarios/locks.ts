@@ -13,8 +13,7 @@ import { LockClient } from '@tensorwire/lock-client';
 import { ECHO_SERVICE } from '../echo.js';
 import { spawnWorker, type Worker } from '../proc.js';
 import { nowMs, summarize } from '../stats.js';
-import { BenchError, type Measurement, type Ratio, type Scenario, type ScenarioResult } from '../types.js';
-
+import { BenchError, type Measurement, type Ratio, type Scenario, type ScenarioContext, type ScenarioResult } from '../types.js';
 
 interface EchoClient extends grpc.Client {
   Echo(req: Buffer, cb: (e: grpc.ServiceError | null, r?: Buffer) => void): grpc.ClientUnaryCall;
@@ -168,7 +167,7 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
     }
     if (after.pinnedBlocks !== 0 || after.pinnedByHook !== 0) verificationFailures++;
     const cc = client.counters();
-    if (cc.acquired !== cc.released + cc.releaseFailures + cc.active || cc.active !== 0) verificationFailures++;
+    if (cc.acquired !== cc.released + cc.releaseFailures + cc.expired + cc.dropped + cc.active || cc.active !== 0) verificationFailures++;
 
     const lockLatency = summarize(lockSamples);
     const echoLatency = summarize(echoSamples);
@@ -231,3 +230,169 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
     await Promise.all(workers.map((w) => w.exited));
   }
 };
+
+/** Settings of `locks --burst N`. */
+export interface LocksBurstSettings {
+  /** Leases released at once (and echoes sent at once for the baseline). */
+  readonly burst: number;
+  /** Interleaved rounds (default 3, 1 with --quick). */
+  readonly rounds?: number;
+  /** Concurrency of the acquires that set each round up (not measured; default 256). */
+  readonly acquireConcurrency?: number;
+  /**
+   * Directory of another build of @tensorwire/lock-client's `dist` (e.g. the previous
+   * release) to measure beside this one in the same run, holder and requester alike.
+   */
+  readonly against?: string;
+}
+
+interface BurstSide {
+  readonly name: string;
+  readonly holder: Worker;
+  readonly requester: Worker;
+  ms: number;
+  cpuMicros: number;
+  ops: number;
+  attempts: number;
+}
+
+interface CpuMsg {
+  userMicros: number;
+  systemMicros: number;
+}
+
+const BURST_GOAL_ECHO = 0.8;
+const BURST_GOAL_AGAINST = 5;
+
+async function holderCpu(w: Worker, signal: AbortSignal): Promise<number> {
+  w.send({ type: 'cpu' });
+  const m = await w.next<CpuMsg>((x) => x['type'] === 'cpu', signal);
+  return m.userMicros + m.systemMicros;
+}
+
+/**
+ * `locks --burst N`: N leases held by one requester process are released all at once
+ * (every `release()` issued before any is awaited), against a holder in another process;
+ * beside it, the same number of plain grpc-js unary echoes sent at once to the same holder
+ * process. Reports releases per second and the holder's CPU seconds per 1,000 releases
+ * (or echoes), over interleaved rounds. With `against`, another build of the package
+ * (holder and requester) is measured in the same rounds.
+ */
+export async function locksBurst(ctx: ScenarioContext, settings: LocksBurstSettings): Promise<ScenarioResult> {
+  const { signal } = ctx;
+  const n = settings.burst;
+  if (!Number.isSafeInteger(n) || n <= 0) throw new BenchError(`--burst must be a positive whole number, got ${n}`);
+  const rounds = settings.rounds ?? (ctx.quick ? 1 : 3);
+  const concurrency = settings.acquireConcurrency ?? 256;
+  const lockTimeoutMs = 600_000;
+  const maxSessions = Math.max(200_000, n * 2);
+  const workers: Worker[] = [];
+  const notes: string[] = [];
+  let verificationFailures = 0;
+  try {
+    const start = async (name: string, dir: string | undefined): Promise<BurstSide> => {
+      const serverModule = dir === undefined ? '' : `${dir.replace(/\/$/, '')}/server/index.js`;
+      const clientModule = dir === undefined ? '' : `${dir.replace(/\/$/, '')}/index.js`;
+      const holder = spawnWorker('locks-burst-holder', [String(lockTimeoutMs), String(maxSessions), serverModule]);
+      workers.push(holder);
+      const { lockPort, echoPort } = await holder.next<{ lockPort: number; echoPort: number }>((m) => m['type'] === 'listening', signal);
+      const requester = spawnWorker('locks-burst-requester', [`127.0.0.1:${lockPort}`, `127.0.0.1:${echoPort}`, clientModule]);
+      workers.push(requester);
+      await requester.next((m) => m['type'] === 'ready', signal);
+      return { name, holder, requester, ms: 0, cpuMicros: 0, ops: 0, attempts: 0 };
+    };
+    const subject = await start(`lock release burst (${n} leases at once)`, undefined);
+    const against = settings.against === undefined ? undefined : await start(`lock release burst (${n} leases at once, build at ${settings.against})`, settings.against);
+    const echo: BurstSide = { ...subject, name: `raw @grpc/grpc-js unary echo burst (${n} at once)`, ms: 0, cpuMicros: 0, ops: 0, attempts: 0 };
+
+    const releaseRound = async (side: BurstSide): Promise<void> => {
+      side.requester.send({ type: 'acquire', n, concurrency, leaseMs: lockTimeoutMs });
+      await side.requester.next((m) => m['type'] === 'acquired', signal);
+      const cpu0 = await holderCpu(side.holder, signal);
+      side.requester.send({ type: 'release' });
+      const r = await side.requester.next<{ n: number; ms: number; confirmed: number; failed: number; blocksReleased: number; attempts: number }>(
+        (m) => m['type'] === 'released' || m['type'] === 'error',
+        signal,
+      );
+      const cpu1 = await holderCpu(side.holder, signal);
+      if (r.confirmed !== n || r.blocksReleased !== n) {
+        verificationFailures++;
+        notes.push(`${side.name}: ${r.confirmed} of ${n} releases confirmed, ${r.blocksReleased} blocks released`);
+      }
+      side.ms += r.ms;
+      side.cpuMicros += cpu1 - cpu0;
+      side.ops += n;
+      side.attempts += r.attempts;
+    };
+    const echoRound = async (): Promise<void> => {
+      const cpu0 = await holderCpu(echo.holder, signal);
+      echo.requester.send({ type: 'echo', n });
+      const r = await echo.requester.next<{ ms: number; failed: number }>((m) => m['type'] === 'echoed', signal);
+      const cpu1 = await holderCpu(echo.holder, signal);
+      if (r.failed > 0) verificationFailures++;
+      echo.ms += r.ms;
+      echo.cpuMicros += cpu1 - cpu0;
+      echo.ops += n;
+    };
+    // Warm both paths once (connections, JIT) with a small burst, not measured.
+    echo.requester.send({ type: 'echo', n: Math.min(n, 1000) });
+    await echo.requester.next((m) => m['type'] === 'echoed', signal);
+
+    const steps: (() => Promise<void>)[] = [echoRound, () => releaseRound(subject)];
+    if (against !== undefined) steps.push(() => releaseRound(against));
+    for (let r = 0; r < rounds; r++) {
+      if (signal.aborted) throw new BenchError('aborted');
+      // Rotate the order so drift on a shared machine affects every side alike.
+      for (let k = 0; k < steps.length; k++) {
+        await (steps[(r + k) % steps.length] as () => Promise<void>)();
+        ctx.progress('locks: burst rounds', r * steps.length + k + 1, rounds * steps.length);
+      }
+    }
+
+    const sides = against === undefined ? [subject, echo] : [subject, echo, against];
+    const counters: Record<string, number> = {};
+    for (const side of [subject, ...(against ? [against] : [])]) {
+      side.holder.send({ type: 'counters' });
+      const c = (await side.holder.next<{ counters: HolderCounters }>((m) => m['type'] === 'counters', signal)).counters;
+      const balanced = c.acquired === c.released + c.expired + c.active && c.active === 0;
+      if (!balanced) verificationFailures++;
+      notes.push(`${side.name}: holder counters acquired ${c.acquired} = released ${c.released} + expired ${c.expired} + active ${c.active} → ${balanced ? 'balanced' : 'NOT BALANCED'}`);
+      const prefix = side === subject ? '' : 'against.';
+      counters[`${prefix}acquired`] = c.acquired;
+      counters[`${prefix}released`] = c.released;
+      counters[`${prefix}expired`] = c.expired;
+      counters[`${prefix}active`] = c.active;
+    }
+    const measurements: Measurement[] = sides.map((s) => ({
+      name: s.name,
+      role: s === echo ? 'baseline' : 'subject',
+      opsPerSec: s.ops / (s.ms / 1000),
+      extra: {
+        burst: n,
+        rounds,
+        holderCpuSecondsPer1000: s.cpuMicros / 1e6 / (s.ops / 1000),
+        ...(s === echo ? {} : { releaseAttemptsPerLease: s.attempts / s.ops }),
+      },
+    }));
+    const rate = (s: BurstSide): number => s.ops / (s.ms / 1000);
+    const ratios: Ratio[] = [
+      { name: 'release burst vs echo burst', subject: subject.name, baseline: echo.name, value: rate(subject) / rate(echo), goal: BURST_GOAL_ECHO, pass: rate(subject) / rate(echo) >= BURST_GOAL_ECHO },
+    ];
+    if (against !== undefined) {
+      const v = rate(subject) / rate(against);
+      ratios.push({ name: 'release burst vs the other build', subject: subject.name, baseline: against.name, value: v, goal: BURST_GOAL_AGAINST, pass: v >= BURST_GOAL_AGAINST });
+    }
+    notes.push(
+      `holder in a child process, requester in another; ${rounds} interleaved rounds; leases acquired with concurrency ${concurrency} before each round (not measured)`,
+      'holder CPU seconds per 1,000 releases (or echoes): user + system time of the holder process across the burst',
+    );
+    for (const side of [subject, ...(against ? [against] : [])]) {
+      side.requester.send({ type: 'close' });
+      await side.requester.next((m) => m['type'] === 'closed', signal);
+    }
+    return { scenario: 'locks', measurements, ratios, verificationFailures, counters, notes };
+  } finally {
+    for (const w of workers) w.kill();
+    await Promise.all(workers.map((w) => w.exited));
+  }
+}

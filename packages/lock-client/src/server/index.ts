@@ -1,3 +1,4 @@
+/// <reference types="node" preserve="true" />
 /**
  * `@tensorwire/lock-client/server`: the holder side. A gRPC lease service, its lease
  * table (usable on its own), the expiry GC and metrics.

@@ -3,7 +3,7 @@
  * scrape sees one consistent snapshot and `acquired = released + expired + active` holds
  * in every scrape.
  */
-import { Counter, type Registry } from 'prom-client';
+import { Counter, Histogram, type Registry } from 'prom-client';
 import { pullMetrics } from '../prom.js';
 import type { LeaseCounters } from './lease-table.js';
 
@@ -13,10 +13,21 @@ export interface ServerMetricSources {
   counters(): LeaseCounters;
   requests(): ReadonlyMap<string, number>;
   rejections(): ReadonlyMap<string, number>;
+  /** Admission counters (concurrency limit, calls dropped past their deadline). */
+  load(): { readonly inFlight: number; readonly overloaded: number; readonly droppedExpired: number; readonly releaseEntries: number; readonly renewEntries: number };
 }
 
-/** Register the holder's metrics on `registry`. Returns a function that unregisters them. */
-export function registerServerMetrics(registry: Registry, prefix: string, src: ServerMetricSources): () => void {
+export interface ServerMetrics {
+  /** Record the entries of one batched call (`batch_entries{op}`). */
+  observeBatch(op: 'releaseMany' | 'renewMany', entries: number): void;
+  unregister(): void;
+}
+
+/** Entries per batched call: powers of 4 up to the largest batch a holder accepts by default. */
+export const BATCH_BUCKETS: readonly number[] = [1, 4, 16, 64, 256, 1024, 4096, 8192];
+
+/** Register the holder's metrics on `registry`. */
+export function registerServerMetrics(registry: Registry, prefix: string, src: ServerMetricSources): ServerMetrics {
   const m = pullMetrics(registry, prefix, () => src.counters());
   const { names } = m;
   const gauge = m.gauge;
@@ -52,8 +63,28 @@ export function registerServerMetrics(registry: Registry, prefix: string, src: S
   counter('blocks_released_total', 'Blocks released', (c) => c.blocksReleased);
   counter('blocks_expired_total', 'Blocks expired', (c) => c.blocksExpired);
   labelled('requests_total', 'RPCs received', ['op'], src.requests);
-  labelled('requests_rejected_total', 'RPCs refused, by gRPC status', ['op', 'status'], src.rejections);
-  return () => {
-    for (const n of names) registry.removeSingleMetric(n);
+  labelled('requests_rejected_total', 'RPCs refused, by gRPC status (per entry for batched calls)', ['op', 'status'], src.rejections);
+  const load = pullMetrics(registry, prefix, () => src.load());
+  load.gauge('calls_in_flight', 'Calls being worked on now (the queue the concurrency limit bounds)', (c) => c.inFlight);
+  load.counter('requests_overloaded_total', 'Calls refused RESOURCE_EXHAUSTED at once: past maxConcurrentCalls', (c) => c.overloaded);
+  load.counter('requests_dropped_expired_total', "Calls dropped before any work: the caller's deadline had passed or it cancelled", (c) => c.droppedExpired);
+  load.counter('release_entries_total', 'Entries received in ReleaseMany calls', (c) => c.releaseEntries);
+  load.counter('renew_entries_total', 'Entries received in RenewMany calls', (c) => c.renewEntries);
+  names.push(...load.names);
+  const batch = new Histogram({
+    name: `${prefix}batch_entries`,
+    help: 'Entries per batched call (ReleaseMany, RenewMany)',
+    labelNames: ['op'],
+    buckets: [...BATCH_BUCKETS],
+    registers: [registry],
+  });
+  names.push(`${prefix}batch_entries`);
+  const release = batch.labels({ op: 'releaseMany' });
+  const renew = batch.labels({ op: 'renewMany' });
+  return {
+    observeBatch: (op, entries) => (op === 'releaseMany' ? release : renew).observe(entries),
+    unregister: () => {
+      for (const n of names) registry.removeSingleMetric(n);
+    },
   };
 }

@@ -4,17 +4,23 @@
  */
 import { createHash, timingSafeEqual } from 'node:crypto';
 import * as grpc from '@grpc/grpc-js';
-import { InvalidInputError, ResourceExhaustedError, silentLogger, type Logger } from '@tensorwire/core';
+import { InvalidInputError, ResourceExhaustedError, ownerProblem, silentLogger, type Logger } from '@tensorwire/core';
 import { Registry } from 'prom-client';
 import { LeaseError, type LeaseStatus } from '../errors.js';
 import {
   AUTH_METADATA_KEY,
+  RETRY_AFTER_METADATA_KEY,
   loadLockProtocol,
   type AcquireRequestMsg,
   type AcquireResponseMsg,
+  type EntryErrorMsg,
   type HealthResponseMsg,
+  type ReleaseManyRequestMsg,
+  type ReleaseManyResponseMsg,
   type ReleaseRequestMsg,
   type ReleaseResponseMsg,
+  type RenewManyRequestMsg,
+  type RenewManyResponseMsg,
   type RenewRequestMsg,
   type RenewResponseMsg,
 } from '../proto.js';
@@ -54,6 +60,16 @@ export interface LockServerOptions extends Omit<LeaseTableOptions, 'onEnd' | 'on
   readonly timers?: Timers;
   /** Extra grpc-js server options. */
   readonly grpcOptions?: grpc.ServerOptions;
+  /**
+   * Calls being worked on at once (an acquire waiting for its resolver counts until it is
+   * answered). Past it, a call is answered RESOURCE_EXHAUSTED at once, before any work, with
+   * the trailer `tensorwire-retry-after-ms`, and the requester retries later. Default 1024.
+   */
+  readonly maxConcurrentCalls?: number;
+  /** The wait suggested to a requester refused for overload (ms, default 50). */
+  readonly retryAfterMs?: number;
+  /** Entries in one ReleaseMany / RenewMany at most; more → RESOURCE_EXHAUSTED (default 8192). */
+  readonly maxBatchEntries?: number;
 }
 
 export interface CloseOptions {
@@ -61,11 +77,30 @@ export interface CloseOptions {
   readonly graceMs?: number;
 }
 
-export type RpcName = 'acquire' | 'release' | 'renew' | 'health';
+export type RpcName = 'acquire' | 'release' | 'renew' | 'health' | 'releaseMany' | 'renewMany';
 
 /** Lease counters plus the RPCs received. `rejected` counts every refused RPC (auth included). */
 export interface LockServerCounters extends LeaseCounters {
   readonly requests: Readonly<Record<RpcName, number>>;
+  /** Calls refused at once because `maxConcurrentCalls` were being worked on. */
+  readonly overloaded: number;
+  /** Calls dropped before any work because their caller's deadline had passed or they were cancelled. */
+  readonly droppedExpired: number;
+  /** Entries received in ReleaseMany calls. */
+  readonly releaseEntries: number;
+  /** Entries received in RenewMany calls. */
+  readonly renewEntries: number;
+  /** Calls being worked on now. */
+  readonly inFlight: number;
+}
+
+const DEFAULT_MAX_CONCURRENT_CALLS = 1024;
+const DEFAULT_MAX_BATCH_ENTRIES = 8192;
+
+/** The caller's deadline as Unix ms (Infinity when none). */
+function deadlineOf(call: grpc.ServerUnaryCall<unknown, unknown>): number {
+  const d = call.getDeadline();
+  return d instanceof Date ? d.getTime() : d;
 }
 
 const EMPTY: readonly Uint8Array[] = [];
@@ -96,7 +131,17 @@ export class LockServer implements AsyncDisposable {
   readonly #logger: Logger;
   readonly #server: grpc.Server;
   readonly #tokenDigest: Buffer | undefined;
-  readonly #requests: Record<RpcName, number> = { acquire: 0, release: 0, renew: 0, health: 0 };
+  readonly #requests: Record<RpcName, number> = { acquire: 0, release: 0, renew: 0, health: 0, releaseMany: 0, renewMany: 0 };
+  readonly #maxConcurrent: number;
+  readonly #retryAfter: grpc.Metadata;
+  readonly #maxBatch: number;
+  /** Entries per batched call, for the `batch_entries` histogram (observed at each call). */
+  readonly #observeBatch: (op: 'releaseMany' | 'renewMany', entries: number) => void;
+  #inFlight = 0;
+  #overloaded = 0;
+  #droppedExpired = 0;
+  #releaseEntries = 0;
+  #renewEntries = 0;
   readonly #rejections = new Map<string, number>();
   readonly #unregisterMetrics: () => void;
   readonly #drainWaiters: (() => void)[] = [];
@@ -109,6 +154,12 @@ export class LockServer implements AsyncDisposable {
     this.#logger = options.logger ?? silentLogger;
     if (options.token !== undefined && options.token.length === 0) throw new InvalidInputError('token must not be empty');
     this.#tokenDigest = options.token === undefined ? undefined : digest(options.token);
+    this.#maxConcurrent = options.maxConcurrentCalls ?? DEFAULT_MAX_CONCURRENT_CALLS;
+    if (!(this.#maxConcurrent >= 1)) throw new InvalidInputError(`maxConcurrentCalls must be at least 1, got ${this.#maxConcurrent}`);
+    this.#maxBatch = options.maxBatchEntries ?? DEFAULT_MAX_BATCH_ENTRIES;
+    if (!(this.#maxBatch >= 1)) throw new InvalidInputError(`maxBatchEntries must be at least 1, got ${this.#maxBatch}`);
+    this.#retryAfter = new grpc.Metadata();
+    this.#retryAfter.set(RETRY_AFTER_METADATA_KEY, String(Math.max(0, Math.round(options.retryAfterMs ?? 50))));
     this.table = new LeaseTable({
       ...options,
       logger: this.#logger,
@@ -123,14 +174,17 @@ export class LockServer implements AsyncDisposable {
     });
     this.registry = options.registry ?? new Registry();
     const requests = new Map<string, number>();
-    this.#unregisterMetrics = registerServerMetrics(this.registry, options.metricsPrefix ?? DEFAULT_SERVER_METRICS_PREFIX, {
+    const metrics = registerServerMetrics(this.registry, options.metricsPrefix ?? DEFAULT_SERVER_METRICS_PREFIX, {
       counters: () => this.table.counters(),
       requests: () => {
         for (const [k, v] of Object.entries(this.#requests)) requests.set(k, v);
         return requests;
       },
       rejections: () => this.#rejections,
+      load: () => this.counters(),
     });
+    this.#observeBatch = metrics.observeBatch;
+    this.#unregisterMetrics = metrics.unregister;
     this.#server = new grpc.Server(options.grpcOptions);
     this.#server.addService(loadLockProtocol().service, this.handlers());
   }
@@ -166,7 +220,16 @@ export class LockServer implements AsyncDisposable {
   counters(): LockServerCounters {
     let rejected = 0;
     for (const v of this.#rejections.values()) rejected += v;
-    return { ...this.table.counters(), rejected, requests: { ...this.#requests } };
+    return {
+      ...this.table.counters(),
+      rejected,
+      requests: { ...this.#requests },
+      overloaded: this.#overloaded,
+      droppedExpired: this.#droppedExpired,
+      releaseEntries: this.#releaseEntries,
+      renewEntries: this.#renewEntries,
+      inFlight: this.#inFlight,
+    };
   }
 
   /**
@@ -177,17 +240,63 @@ export class LockServer implements AsyncDisposable {
   handlers(): grpc.UntypedServiceImplementation {
     return {
       Acquire: (call: grpc.ServerUnaryCall<AcquireRequestMsg, AcquireResponseMsg>, cb: grpc.sendUnaryData<AcquireResponseMsg>) => {
-        this.#acquire(call, cb);
+        const done = this.#admit('acquire', call, cb);
+        if (done !== undefined) this.#acquire(call, done);
       },
       Release: (call: grpc.ServerUnaryCall<ReleaseRequestMsg, ReleaseResponseMsg>, cb: grpc.sendUnaryData<ReleaseResponseMsg>) => {
-        this.#release(call, cb);
+        const done = this.#admit('release', call, cb);
+        if (done !== undefined) this.#release(call, done);
       },
       Renew: (call: grpc.ServerUnaryCall<RenewRequestMsg, RenewResponseMsg>, cb: grpc.sendUnaryData<RenewResponseMsg>) => {
-        this.#renew(call, cb);
+        const done = this.#admit('renew', call, cb);
+        if (done !== undefined) this.#renew(call, done);
       },
       Health: (call: grpc.ServerUnaryCall<unknown, HealthResponseMsg>, cb: grpc.sendUnaryData<HealthResponseMsg>) => {
-        this.#health(call, cb);
+        // Health is never refused for load: it is how a requester sees the load.
+        if (this.#authorized('health', call, cb)) this.#health(call, cb);
       },
+      ReleaseMany: (call: grpc.ServerUnaryCall<ReleaseManyRequestMsg, ReleaseManyResponseMsg>, cb: grpc.sendUnaryData<ReleaseManyResponseMsg>) => {
+        const done = this.#admit('releaseMany', call, cb);
+        if (done !== undefined) this.#releaseMany(call, done);
+      },
+      RenewMany: (call: grpc.ServerUnaryCall<RenewManyRequestMsg, RenewManyResponseMsg>, cb: grpc.sendUnaryData<RenewManyResponseMsg>) => {
+        const done = this.#admit('renewMany', call, cb);
+        if (done !== undefined) this.#renewMany(call, done);
+      },
+    };
+  }
+
+  /**
+   * Admission, before any work: authentication; a call whose caller's deadline has already
+   * passed (or that was cancelled) is dropped, since nobody waits for its answer; past
+   * `maxConcurrentCalls` the call is refused RESOURCE_EXHAUSTED with a retry-after trailer.
+   * Returns the callback to answer with (it ends the call's turn in the concurrency count),
+   * or undefined when the call was answered here.
+   */
+  #admit<T>(op: RpcName, call: grpc.ServerUnaryCall<unknown, unknown>, cb: grpc.sendUnaryData<T>): grpc.sendUnaryData<T> | undefined {
+    if (!this.#authorized(op, call, cb as grpc.sendUnaryData<never>)) return undefined;
+    if (call.cancelled || deadlineOf(call) <= Date.now()) {
+      this.#droppedExpired++;
+      const key = `${op}/DEADLINE_EXCEEDED`;
+      this.#rejections.set(key, (this.#rejections.get(key) ?? 0) + 1);
+      cb(toServiceError(grpc.status.DEADLINE_EXCEEDED, 'deadline passed before the holder got to the call; nothing was done'), null);
+      return undefined;
+    }
+    if (this.#inFlight >= this.#maxConcurrent) {
+      this.#overloaded++;
+      const key = `${op}/RESOURCE_EXHAUSTED`;
+      this.#rejections.set(key, (this.#rejections.get(key) ?? 0) + 1);
+      cb({ code: grpc.status.RESOURCE_EXHAUSTED, details: `holder ${this.holderId} is past its concurrency limit (${this.#maxConcurrent}); nothing was done`, metadata: this.#retryAfter.clone() }, null);
+      return undefined;
+    }
+    this.#inFlight++;
+    let answered = false;
+    return (err, value) => {
+      if (!answered) {
+        answered = true;
+        this.#inFlight--;
+      }
+      cb(err, value);
     };
   }
 
@@ -209,8 +318,8 @@ export class LockServer implements AsyncDisposable {
   }
 
   #acquire(call: grpc.ServerUnaryCall<AcquireRequestMsg, AcquireResponseMsg>, cb: grpc.sendUnaryData<AcquireResponseMsg>): void {
-    if (!this.#authorized('acquire', call, cb)) return;
-    if (this.#state !== 'serving') {
+    // 'idle' serves too: the handlers may be mounted on the caller's own grpc.Server (handlers()).
+    if (this.#state === 'draining' || this.#state === 'closed') {
       this.#fail('acquire', cb, 'UNAVAILABLE', `holder ${this.holderId} is shutting down`);
       return;
     }
@@ -308,7 +417,6 @@ export class LockServer implements AsyncDisposable {
   }
 
   #release(call: grpc.ServerUnaryCall<ReleaseRequestMsg, ReleaseResponseMsg>, cb: grpc.sendUnaryData<ReleaseResponseMsg>): void {
-    if (!this.#authorized('release', call, cb)) return;
     const req = call.request;
     let released: number;
     try {
@@ -323,7 +431,6 @@ export class LockServer implements AsyncDisposable {
   }
 
   #renew(call: grpc.ServerUnaryCall<RenewRequestMsg, RenewResponseMsg>, cb: grpc.sendUnaryData<RenewResponseMsg>): void {
-    if (!this.#authorized('renew', call, cb)) return;
     const req = call.request;
     let lease: LeaseInfo;
     try {
@@ -337,8 +444,89 @@ export class LockServer implements AsyncDisposable {
     cb(null, { deadlineUnixMs: Math.round(lease.deadline), leaseMs: lease.leaseMs });
   }
 
-  #health(call: grpc.ServerUnaryCall<unknown, HealthResponseMsg>, cb: grpc.sendUnaryData<HealthResponseMsg>): void {
-    if (!this.#authorized('health', call, cb)) return;
+  #releaseMany(call: grpc.ServerUnaryCall<ReleaseManyRequestMsg, ReleaseManyResponseMsg>, cb: grpc.sendUnaryData<ReleaseManyResponseMsg>): void {
+    const req = call.request;
+    const sessionIds = req.sessionIds;
+    const acquireIds = req.acquireIds;
+    const n = sessionIds.length + acquireIds.length;
+    if (n > this.#maxBatch) {
+      this.#fail('releaseMany', cb, 'RESOURCE_EXHAUSTED', `${n} entries in one ReleaseMany; at most ${this.#maxBatch}`);
+      return;
+    }
+    const problem = ownerProblem(req.requesterId);
+    if (problem !== undefined) {
+      this.#fail('releaseMany', cb, 'INVALID_ARGUMENT', `requester id: ${problem}`);
+      return;
+    }
+    this.#releaseEntries += n;
+    this.#observeBatch('releaseMany', n);
+    const released: number[] = new Array<number>(n);
+    const errors: EntryErrorMsg[] = [];
+    const requesterId = req.requesterId;
+    const target: { sessionId?: string; acquireId?: string } = {};
+    for (let i = 0; i < n; i++) {
+      if (i < sessionIds.length) {
+        target.sessionId = sessionIds[i] as string;
+        target.acquireId = '';
+      } else {
+        target.sessionId = '';
+        target.acquireId = acquireIds[i - sessionIds.length] as string;
+      }
+      try {
+        released[i] = this.table.release(requesterId, target);
+      } catch (e) {
+        released[i] = 0;
+        const { status, message } = hookStatus(e);
+        const key = `releaseMany/${status}`;
+        this.#rejections.set(key, (this.#rejections.get(key) ?? 0) + 1);
+        errors.push({ index: i, code: grpc.status[status], message });
+      }
+    }
+    this.#checkDrained();
+    cb(null, { released, errors });
+  }
+
+  #renewMany(call: grpc.ServerUnaryCall<RenewManyRequestMsg, RenewManyResponseMsg>, cb: grpc.sendUnaryData<RenewManyResponseMsg>): void {
+    const req = call.request;
+    const sessionIds = req.sessionIds;
+    const n = sessionIds.length;
+    if (n > this.#maxBatch) {
+      this.#fail('renewMany', cb, 'RESOURCE_EXHAUSTED', `${n} entries in one RenewMany; at most ${this.#maxBatch}`);
+      return;
+    }
+    if (req.leaseMs.length !== 0 && req.leaseMs.length !== n) {
+      this.#fail('renewMany', cb, 'INVALID_ARGUMENT', `${req.leaseMs.length} lease_ms for ${n} sessions`);
+      return;
+    }
+    const problem = ownerProblem(req.requesterId);
+    if (problem !== undefined) {
+      this.#fail('renewMany', cb, 'INVALID_ARGUMENT', `requester id: ${problem}`);
+      return;
+    }
+    this.#renewEntries += n;
+    this.#observeBatch('renewMany', n);
+    const deadlines: number[] = new Array<number>(n);
+    const leaseMs: number[] = new Array<number>(n);
+    const errors: EntryErrorMsg[] = [];
+    for (let i = 0; i < n; i++) {
+      try {
+        const lease = this.table.renew(req.requesterId, sessionIds[i] as string, req.leaseMs.length === 0 ? 0 : (req.leaseMs[i] as number));
+        deadlines[i] = Math.round(lease.deadline);
+        leaseMs[i] = lease.leaseMs;
+      } catch (e) {
+        deadlines[i] = 0;
+        leaseMs[i] = 0;
+        const { status, message } = hookStatus(e);
+        const key = `renewMany/${status}`;
+        this.#rejections.set(key, (this.#rejections.get(key) ?? 0) + 1);
+        errors.push({ index: i, code: grpc.status[status], message });
+      }
+    }
+    this.gc.notify();
+    cb(null, { deadlineUnixMs: deadlines, leaseMs, errors });
+  }
+
+  #health(_call: grpc.ServerUnaryCall<unknown, HealthResponseMsg>, cb: grpc.sendUnaryData<HealthResponseMsg>): void {
     const c = this.table.counters();
     cb(null, {
       status: this.#state === 'serving' ? 'SERVING' : 'DRAINING',
