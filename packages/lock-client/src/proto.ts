@@ -86,7 +86,7 @@ export interface HealthResponseMsg {
   activeBlocks: number;
 }
 
-type Unary<Req, Res> = (
+export type Unary<Req, Res> = (
   request: Req,
   metadata: grpc.Metadata,
   options: grpc.CallOptions,
