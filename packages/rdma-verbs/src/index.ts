@@ -1,4 +1,14 @@
-export { RdmaTransport, RdmaConnection, type RdmaTransportOptions, type RdmaBackend, type CudaDmabufExport } from './transport.js';
+/// <reference types="node" preserve="true" />
+export {
+  RdmaTransport,
+  RdmaConnection,
+  DEFAULT_CONTROL_LIMITS,
+  type RdmaTransportOptions,
+  type RdmaBackend,
+  type RdmaControlLimits,
+  type BoundReason,
+  type CudaDmabufExport,
+} from './transport.js';
 export { capabilities, isAvailable, toDeviceRecord, usablePort, readNumaNode, readGidAttrs, SYSFS_INFINIBAND, type RdmaCapabilities, type CapabilityOptions } from './capabilities.js';
 export * from './attributes.js';
 export * from './wire.js';

@@ -17,6 +17,9 @@
  *   against the lengths the holder granted before posting, and in memory-window mode the NIC
  *   refuses anything outside the windows bound over exactly the granted runs. Revoking waits for
  *   the requesters' own work under the grant to leave the NIC (GRANT_UNBIND / GRANT_UNBOUND).
+ * - A post refused for lack of room (ENOMEM/EAGAIN, or a chain accepted only in part) is local
+ *   exhaustion: it never closes the connection; the batch waits for room, or, when nothing of it
+ *   is posted and the queue pair is idle, is handed back as backpressure.
  * - On a failed completion, an abort or a deadline with work on the NIC, the connection is
  *   quiesced (every QP to ERR, then every outstanding work request is waited for until it has
  *   flushed) before anything is rejected, so memory is never reused while the NIC can still
@@ -187,6 +190,8 @@ export interface RdmaTransportOptions {
    * nothing of its own still uses it (GRANT_UNBOUND) before closing that connection. Default 10 s.
    */
   grantRevokeTimeoutMs?: number;
+  /** Bounds of the control channel per peer (see {@link RdmaControlLimits}; each defaults separately). */
+  limits?: Partial<RdmaControlLimits>;
   /** Replace the addon and device discovery (tests only; see {@link RdmaBackend}). */
   backend?: RdmaBackend;
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
@@ -209,19 +214,58 @@ const ENOMEM = 12;
 const EAGAIN = 11;
 /** Send-queue slots per QP kept for BIND_MW work requests (so binds never wait behind data). */
 const BIND_SLOTS = 4;
-/** BINDs one connection may have in flight; a peer sending more is violating the protocol. */
-const MAX_PENDING_BINDS = MAX_BINDS_IN_FLIGHT;
-/** Control bytes queued to a peer that does not read them before the connection is dropped. */
-const MAX_CONTROL_BACKLOG = 1 << 20;
-/** Grant tables queued to a peer that does not read them before the connection is dropped (it has at most 64 GRANT_BINDs in flight). */
-const MAX_QUEUED_TABLES = 2 * MAX_BINDS_IN_FLIGHT;
-/** Inbound handshakes past HELLO at once (each holds a CQ and its QPs until READY or its deadline). */
-const MAX_INBOUND_HANDSHAKES = 64;
 /**
- * Connections one peer incarnation may have open to this node. The engine keeps one per peer
- * (two for a moment while a simultaneous open settles); more is a misbehaving peer.
+ * The bounds of the control channel (RdmaTransportOptions.limits), with their defaults. Every
+ * per-peer queue and table a peer can grow is bounded (DESIGN invariant 16); past a bound the
+ * peer gets backpressure (a typed refusal) or loses the connection with a logged reason counted
+ * in `RdmaTransport.peerDisconnects`.
  */
-const MAX_CONNECTIONS_PER_PEER = 8;
+export interface RdmaControlLimits {
+  /** Control bytes queued to a peer that does not read them; past it the connection is dropped (`control-backlog`). Default 1 MiB. */
+  readonly maxControlBacklogBytes: number;
+  /** Grant-table answers queued to a peer that does not read them; past it the connection is dropped (`grant-tables-queued`). Default 128. */
+  readonly maxQueuedGrantTables: number;
+  /**
+   * BINDs (and, separately, GRANT_BINDs) one connection may have being served at once; past it
+   * the connection is dropped (`pending-binds`, `pending-grant-binds`). At least 64: a requester
+   * of this package keeps up to 64 in flight. Default 64.
+   */
+  readonly maxPendingBinds: number;
+  /** Control frames parsed and not yet taken (before a handshake step reads them); past it the connection is dropped (`unread-frames`). Default 64. */
+  readonly maxUnreadFrames: number;
+  /** Inbound handshakes past HELLO at once, all peers (each holds a CQ and its QPs until READY or its deadline); past it a HELLO is refused `busy` (backpressure). Default 64. */
+  readonly maxInboundHandshakes: number;
+  /**
+   * Connections one peer incarnation may have open or opening to this node; past it a HELLO is
+   * refused `too-many-connections`. The engine keeps one per peer (two for a moment while a
+   * simultaneous open settles). Default 8.
+   */
+  readonly maxConnectionsPerPeer: number;
+}
+
+/** The default bounds of the control channel (each documented on {@link RdmaControlLimits}). */
+export const DEFAULT_CONTROL_LIMITS: RdmaControlLimits = Object.freeze({
+  maxControlBacklogBytes: 1 << 20,
+  maxQueuedGrantTables: 2 * MAX_BINDS_IN_FLIGHT,
+  maxPendingBinds: MAX_BINDS_IN_FLIGHT,
+  maxUnreadFrames: 64,
+  maxInboundHandshakes: 64,
+  maxConnectionsPerPeer: 8,
+});
+
+/** Why a peer lost its connection over a bound (the keys of `RdmaTransport.peerDisconnects`). */
+export type BoundReason = 'control-backlog' | 'grant-tables-queued' | 'pending-binds' | 'pending-grant-binds' | 'unread-frames' | 'malformed-frame';
+
+function controlLimits(o: Partial<RdmaControlLimits> | undefined): RdmaControlLimits {
+  const l = { ...DEFAULT_CONTROL_LIMITS, ...o };
+  for (const [k, v] of Object.entries(l)) {
+    if (!Number.isSafeInteger(v) || v < 1) throw new InvalidInputError(`limits.${k} must be a positive integer`, { details: { field: `limits.${k}` } });
+  }
+  if (l.maxPendingBinds < MAX_BINDS_IN_FLIGHT) {
+    throw new InvalidInputError(`limits.maxPendingBinds must be at least ${MAX_BINDS_IN_FLIGHT} (what a requester keeps in flight)`, { details: { field: 'limits.maxPendingBinds' } });
+  }
+  return l;
+}
 
 /** A registration's handle: opaque to the engine. */
 class RdmaRegistration {
@@ -408,11 +452,17 @@ interface Job {
   cleanup(): void;
 }
 
-/** Work requests posted in one ibv_post_send; wr_ids base..base+count-1, the last one signaled. */
+/**
+ * Work requests posted in one ibv_post_send; wr_ids base..base+count-1, the last one signaled.
+ * A fragment is the part of a chain the send queue accepted before refusing the rest: its last
+ * work request is not signaled, so it completes only in error (a flush); otherwise the next
+ * signaled completion on its queue pair retires it (RC completes in order).
+ */
 interface Chain {
   readonly job: Job;
   readonly base: number;
   readonly count: number;
+  readonly fragment: boolean;
 }
 
 interface BindWait {
@@ -433,6 +483,12 @@ interface Stream {
   used: number;
   /** Jobs waiting for slots, in order; the head may be part posted. */
   queue: Job[];
+  /** Fragments on the NIC (chains the send queue accepted only part of), oldest first. */
+  fragments: Chain[];
+  /** Set while posting backs off after the send queue refused work (ENOMEM/EAGAIN) with nothing signaled in flight. */
+  retry: ReturnType<typeof setTimeout> | undefined;
+  /** The next back-off delay (ms). */
+  backoffMs: number;
 }
 
 /** The caller's request index of the first range whose `field` is `index` (for error details). */
@@ -725,15 +781,22 @@ function wcError(status: number, vendorErr: number, native: NativeAddon, peer: s
 // -------------------------------------------------------------------------------------
 // Control socket helpers
 
+/** What a control channel reports a bound it enforced to (the transport logs and counts it). */
+type BoundHook = (reason: BoundReason, message: string) => void;
+
 class Control {
   readonly socket: Socket;
   readonly #reader = new FrameReader();
+  readonly #limits: RdmaControlLimits;
+  readonly #onBound: BoundHook;
   #listener: ((m: ControlMessage) => void) | undefined;
   #backlog: ControlMessage[] = [];
   #failure: ((e: TensorwireError) => void) | undefined;
   #failed: TensorwireError | undefined;
-  constructor(socket: Socket) {
+  constructor(socket: Socket, limits: RdmaControlLimits, onBound: BoundHook) {
     this.socket = socket;
+    this.#limits = limits;
+    this.#onBound = onBound;
     socket.setNoDelay(true);
     socket.setKeepAlive(true, 5_000);
     socket.on('data', (d: Buffer) => {
@@ -741,18 +804,32 @@ class Control {
       try {
         msgs = this.#reader.push(d);
       } catch (e) {
-        this.#fail(toTensorwireError(e, InvalidInputError));
+        const err = toTensorwireError(e, InvalidInputError);
+        this.#onBound('malformed-frame', `a malformed control frame: ${err.message}`);
+        this.#fail(err);
         socket.destroy();
         return;
       }
       for (const m of msgs) {
+        if (m.type === 'hello') this.onIdentity?.(m.setup.identity); // as claimed: for the logs
         if (this.#listener) this.#listener(m);
-        else this.#backlog.push(m);
+        else if (this.#backlog.length >= this.#limits.maxUnreadFrames) {
+          this.#drop('unread-frames', `the peer sent more than ${this.#limits.maxUnreadFrames} control frames ahead of the handshake`);
+          return;
+        } else this.#backlog.push(m);
       }
     });
     socket.on('error', (e) => this.#fail(new ConnectionBrokenError(`control socket: ${e.message}`, { cause: e })));
     socket.on('close', () => this.#fail(new ConnectionBrokenError('control socket closed')));
   }
+  /** Drop the connection over a bound: logged and counted by the transport, then the socket goes. */
+  #drop(reason: BoundReason, message: string): void {
+    if (this.socket.destroyed) return;
+    this.#onBound(reason, message);
+    this.#backlog.length = 0;
+    this.socket.destroy(new Error(message));
+  }
+
   #fail(e: TensorwireError): void {
     if (this.#failed) return;
     this.#failed = e;
@@ -763,6 +840,9 @@ class Control {
     // A one-shot listener (next()) unsets itself: leave the rest for the next listener.
     while (this.#backlog.length > 0 && this.#listener === listener) listener(this.#backlog.shift() as ControlMessage);
   }
+  /** Set by the acceptor: told the peer's identity once its HELLO is read (for the bound hook's logs). */
+  onIdentity: ((id: NodeIdentity) => void) | undefined;
+
   onFailure(listener: (e: TensorwireError) => void): void {
     this.#failure = listener;
     if (this.#failed) listener(this.#failed);
@@ -785,9 +865,9 @@ class Control {
   send(m: ControlMessage): void {
     if (!this.#writable()) return;
     const frame = encodeFrame(m);
-    if (this.socket.writableLength + this.#outBytes + frame.length > MAX_CONTROL_BACKLOG) {
+    if (this.socket.writableLength + this.#outBytes + frame.length > this.#limits.maxControlBacklogBytes) {
       // The peer asks (BIND) faster than it reads the answers: drop it rather than buffer forever.
-      this.socket.destroy(new Error(`the peer does not read its control messages (${this.socket.writableLength + this.#outBytes} bytes queued)`));
+      this.#drop('control-backlog', `the peer does not read its control messages (${this.socket.writableLength + this.#outBytes} bytes queued, limit ${this.#limits.maxControlBacklogBytes})`);
       return;
     }
     this.#out.push(frame);
@@ -798,8 +878,8 @@ class Control {
   /** Queue frames produced lazily (a grant table): written in order with everything else, as the socket drains. */
   sendFrames(frames: Iterator<Uint8Array>): void {
     if (!this.#writable()) return;
-    if (this.#outLazy >= MAX_QUEUED_TABLES) {
-      this.socket.destroy(new Error(`the peer does not read its control messages (${this.#outLazy} grant tables queued)`));
+    if (this.#outLazy >= this.#limits.maxQueuedGrantTables) {
+      this.#drop('grant-tables-queued', `the peer does not read its control messages (${this.#outLazy} grant tables queued, limit ${this.#limits.maxQueuedGrantTables})`);
       return;
     }
     this.#out.push(frames);
@@ -957,6 +1037,9 @@ export class RdmaConnection implements TransportConnection {
       chainWrs: Math.max(1, Math.min(MAX_CHAIN_WRS, Math.ceil(x.maxSendWr / 4))),
       used: 0,
       queue: [],
+      fragments: [],
+      retry: undefined,
+      backoffMs: 1,
     }));
     this.#keys = new WindowKeyCache(this.streams, (requestId, token) => control.send({ type: 'bind', requestId, token }));
     this.#tables = new GrantTableCache(this.streams, (m) => {
@@ -1153,9 +1236,17 @@ export class RdmaConnection implements TransportConnection {
   /**
    * Post chains from the stream's queue while its send queue has room: at most `chainWrs`
    * work requests per chain, one ibv_post_send each, every WR of a chain holding its slot
-   * until the chain's (last, signaled) completion.
+   * until the chain's (last, signaled) completion. A post the provider refuses (ENOMEM, EAGAIN)
+   * or accepts only in part is local exhaustion, never a reason to close the connection
+   * (invariant 5): with nothing of the batch posted and the queue pair idle it is backpressure
+   * (ResourceExhaustedError, the engine backs off); otherwise the batch waits at the head of the
+   * queue for room (see #backOff), the part accepted tracked as a fragment.
    */
   #pump(s: Stream): void {
+    if (s.retry !== undefined) {
+      clearTimeout(s.retry);
+      s.retry = undefined;
+    }
     while (this.#state !== 'closing' && this.#state !== 'closed' && s.queue.length > 0) {
       const room = s.maxSendWr - s.used;
       if (room <= 0) return;
@@ -1183,9 +1274,13 @@ export class RdmaConnection implements TransportConnection {
       } catch (e) {
         thrown = nativeError(e, 'ibv_post_send');
       }
+      const exhausted = thrown instanceof ResourceExhaustedError || (thrown === undefined && (errno === ENOMEM || errno === EAGAIN));
       if (posted > 0) {
         this.#nextWrId = base + posted;
-        this.#chains.set(base + posted - 1, { job, base, count: posted });
+        // A chain cut short (the send queue was fuller than our count) has no signaled work request.
+        const c: Chain = { job, base, count: posted, fragment: posted < n };
+        this.#chains.set(base + posted - 1, c);
+        if (c.fragment) s.fragments.push(c);
         s.used += posted;
         job.chains++;
         job.next += posted;
@@ -1196,33 +1291,75 @@ export class RdmaConnection implements TransportConnection {
         }
       }
       if (thrown === undefined && errno === 0) {
+        s.backoffMs = 1;
         if (job.next === plan.wrCount) {
           s.queue.shift();
           job.queued = false;
         }
         continue;
       }
-      // The post failed. Backpressure only when nothing of this batch is on the NIC: the
-      // engine backs off and posts the batch again, on this connection.
-      const exhausted = thrown instanceof ResourceExhaustedError || (thrown === undefined && (errno === ENOMEM || errno === EAGAIN));
+      if (exhausted && thrown === undefined && (job.holding || this.#state === 'retiring' || this.#signaledInFlight(s))) {
+        // Local exhaustion (invariant 5): the send queue is full for now. Nothing is torn down;
+        // the batch stays at the head of its queue and posts (the rest) once the queue pair has
+        // room again: when part of it is on the NIC already (it cannot be handed back as
+        // backpressure), when the connection is retiring (the engine cannot post it again here),
+        // or when a completion on this queue pair will free room soon anyway.
+        this.#backOff(s);
+        return;
+      }
+      // The post failed with nothing of this batch on the NIC: backpressure (the engine backs off
+      // and posts the batch again, on this connection), or bad input.
       let failure: TensorwireError;
       if (exhausted && !job.holding) failure = thrown ?? new ResourceExhaustedError(`the send queue to ${this.peer.nodeId} is full: ${text ?? `errno ${errno}`}`);
       else if (thrown !== undefined && !exhausted) failure = thrown; // bad input: the job fails after what it posted completes
-      else {
-        // The send queue refused work it had room for by our count (or refused part of a
-        // chain): what is posted and what the QP holds no longer agree. Quiesce.
-        failure = new ConnectionBrokenError(`posting to ${this.peer.nodeId} failed: ${thrown?.message ?? text ?? `errno ${errno}`}`, thrown ? { cause: thrown } : {});
-      }
+      else failure = new ConnectionBrokenError(`posting to ${this.peer.nodeId} failed: ${thrown?.message ?? text ?? `errno ${errno}`}`, thrown ? { cause: thrown } : {});
       job.error ??= failure;
       s.queue.shift();
       job.queued = false;
       this.#maybeSettle(job);
-      // A chain cut short has no signaled work request: only a flush completes it.
-      if (failure.breaksConnection || (posted > 0 && posted < n)) {
-        void this.#shutdown(failure.breaksConnection ? failure : new ConnectionBrokenError(`a chain to ${this.peer.nodeId} was posted in part`), undefined);
+      if (failure.breaksConnection) {
+        void this.#shutdown(failure, undefined);
         return;
       }
       // The connection stays: the jobs behind this one get their turn now.
+    }
+  }
+
+  /**
+   * The send queue of `s` refused work for now. A signaled chain still on it will complete and
+   * pump again; with none (only fragments, or nothing), try again after a back-off that doubles
+   * up to 64 ms. The head job's deadline and signal still apply.
+   */
+  #backOff(s: Stream): void {
+    if (this.#signaledInFlight(s)) return;
+    const ms = s.backoffMs;
+    s.backoffMs = Math.min(64, ms * 2);
+    s.retry = setTimeout(() => {
+      s.retry = undefined;
+      if (this.#state === 'open' || this.#state === 'retiring') this.#pump(s);
+    }, ms);
+    s.retry.unref();
+  }
+
+  /** Whether a chain with a signaled work request is on `s`'s queue pair (its completion will pump `s`). */
+  #signaledInFlight(s: Stream): boolean {
+    let fragmentSlots = 0;
+    for (const f of s.fragments) fragmentSlots += f.count;
+    return s.used > fragmentSlots;
+  }
+
+  /** A signaled completion of `wrId` on `s` retires every fragment posted before it (RC completes in order). */
+  #retireFragments(s: Stream, wrId: number): void {
+    while (s.fragments.length > 0) {
+      const f = s.fragments[0] as Chain;
+      const last = f.base + f.count - 1;
+      if (last > wrId) return;
+      s.fragments.shift();
+      if (this.#chains.get(last) !== f) continue;
+      this.#chains.delete(last);
+      s.used -= f.count;
+      f.job.chains--;
+      this.#maybeSettle(f.job);
     }
   }
 
@@ -1273,10 +1410,16 @@ export class RdmaConnection implements TransportConnection {
     this.#chains.delete(wrId);
     const job = c.job;
     const s = job.stream;
-    // A signaled completion retires every work request of its chain: their slots are free.
+    if (c.fragment) {
+      const i = s.fragments.indexOf(c);
+      if (i >= 0) s.fragments.splice(i, 1);
+    }
+    // A signaled completion retires every work request of its chain (and the fragments posted
+    // before it on the queue pair): their slots are free.
     s.used -= c.count;
     job.chains--;
-    if (status !== WcStatus.Success) this.#chainFailed(job, status, vendorErr);
+    if (status === WcStatus.Success) this.#retireFragments(s, wrId);
+    else this.#chainFailed(job, status, vendorErr);
     this.#maybeSettle(job);
     if (this.outstanding === 0) this.#drained?.();
     if (this.#state === 'open' || this.#state === 'retiring') this.#pump(s);
@@ -1421,9 +1564,13 @@ export class RdmaConnection implements TransportConnection {
    * registration behind `token`, and answer with their rkeys, or refuse with a reason.
    */
   async #serveBind(requestId: number, token: Uint8Array): Promise<void> {
-    if (this.#pendingBinds >= MAX_PENDING_BINDS) {
+    const max = this.#owner.limits.maxPendingBinds;
+    if (this.#pendingBinds >= max) {
       // A requester asks once per grant and waits; this many at once is not a requester.
-      void this.#shutdown(new ConnectionBrokenError(`${this.peer.nodeId} sent more than ${MAX_PENDING_BINDS} BINDs at once`), undefined);
+      const message = `${this.peer.nodeId} sent more than ${max} BINDs at once`;
+      // Once per connection: what it sends while it is torn down is dropped.
+      if (this.#state === 'open' || this.#state === 'retiring') this.#owner.overBound(this.peer, 'pending-binds', message);
+      void this.#shutdown(new ConnectionBrokenError(message), undefined);
       return;
     }
     this.#pendingBinds++;
@@ -1544,8 +1691,12 @@ export class RdmaConnection implements TransportConnection {
    * the grant's is refused like an unknown token: the requester's descriptor payload was changed.
    */
   async #serveGrantBind(m: GrantBindMessage): Promise<void> {
-    if (this.#pendingGrantBinds >= MAX_PENDING_BINDS) {
-      void this.#shutdown(new ConnectionBrokenError(`${this.peer.nodeId} sent more than ${MAX_PENDING_BINDS} GRANT_BINDs at once`), undefined);
+    const max = this.#owner.limits.maxPendingBinds;
+    if (this.#pendingGrantBinds >= max) {
+      const message = `${this.peer.nodeId} sent more than ${max} GRANT_BINDs at once`;
+      // Once per connection: what it sends while it is torn down is dropped.
+      if (this.#state === 'open' || this.#state === 'retiring') this.#owner.overBound(this.peer, 'pending-grant-binds', message);
+      void this.#shutdown(new ConnectionBrokenError(message), undefined);
       return;
     }
     this.#pendingGrantBinds++;
@@ -1758,6 +1909,8 @@ export class RdmaConnection implements TransportConnection {
       for (const s of this.#streams) {
         for (const job of s.queue) job.queued = false;
         s.queue = [];
+        if (s.retry !== undefined) clearTimeout(s.retry);
+        s.retry = undefined;
       }
       this.#keys.failAll(failWith);
       this.#tables.failAll(failWith);
@@ -1807,7 +1960,10 @@ export class RdmaConnection implements TransportConnection {
         c.job.error ??= failWith;
       }
       this.#chains.clear();
-      for (const s of this.#streams) s.used = 0;
+      for (const s of this.#streams) {
+        s.used = 0;
+        s.fragments = [];
+      }
       this.#owner.releaseCq(this.#cqId, this);
       this.#control.send({ type: 'close' });
       this.#control.end();
@@ -1873,6 +2029,10 @@ export class RdmaTransport implements Transport {
   readonly #checked = new WeakMap<TransferBatch, Checked>();
   readonly maxGrantWindowsPerPeer: number;
   readonly grantRevokeTimeoutMs: number;
+  /** The control channel's bounds (options.limits over DEFAULT_CONTROL_LIMITS). */
+  readonly limits: RdmaControlLimits;
+  readonly #peerDisconnects: Record<string, number> = {};
+  readonly #handshakeRefusals: Record<string, number> = {};
   /** GRANT_BINDs this transport has sent, over all its connections (one per range grant and connection; for tests and diagnostics). */
   grantBindsSent = 0;
   readonly #registrations = new Set<RdmaRegistration>();
@@ -1906,6 +2066,7 @@ export class RdmaTransport implements Transport {
     const revokeMs = options.grantRevokeTimeoutMs ?? 10_000;
     if (!(revokeMs >= 0)) throw new InvalidInputError('grantRevokeTimeoutMs must be >= 0', { details: { field: 'grantRevokeTimeoutMs' } });
     this.grantRevokeTimeoutMs = revokeMs;
+    this.limits = controlLimits(options.limits);
     this.quiesceTimeoutMs = options.quiesceTimeoutMs ?? 10_000;
     this.retireTimeoutMs = options.retireTimeoutMs ?? 30_000;
     const load = options.backend ? { addon: options.backend.native } : tryLoadNative();
@@ -1970,6 +2131,30 @@ export class RdmaTransport implements Transport {
   /** Windows the range grants of `peer` hold (holder side; for tests and diagnostics). */
   grantWindowsOf(peer: NodeIdentity): number {
     return this.#grantWindows.get(`${peer.nodeId}/${peer.incarnation}`) ?? 0;
+  }
+
+  /**
+   * Connections dropped because a peer went past a bound of the control channel, by reason
+   * ({@link BoundReason}); each is also logged (warn) with the peer and the numbers.
+   */
+  get peerDisconnects(): Readonly<Record<string, number>> {
+    return { ...this.#peerDisconnects };
+  }
+
+  /** Inbound handshakes refused, by the code sent to the peer (`busy`, `too-many-connections`, `bad-lid`, …). */
+  get handshakeRefusals(): Readonly<Record<string, number>> {
+    return { ...this.#handshakeRefusals };
+  }
+
+  /** @internal A peer went past a bound: log it and count it. */
+  overBound(peer: NodeIdentity | undefined, reason: BoundReason, message: string): void {
+    this.#peerDisconnects[reason] = (this.#peerDisconnects[reason] ?? 0) + 1;
+    this.logger.warn(`rdma peer disconnected: ${reason}`, { peer: peer === undefined ? undefined : `${peer.nodeId}/${peer.incarnation}`, reason: message });
+  }
+
+  /** @internal Completion routes (CQ id → connection) this transport holds (for tests and diagnostics). */
+  get routes(): number {
+    return this.#cqRoutes.size;
   }
 
   /** What discovery found when the transport started (undefined before start). */
@@ -2456,7 +2641,7 @@ export class RdmaTransport implements Transport {
     const streams = this.queuePairsPerPeer;
     if (options.signal.aborted) throw errorFromSignal(options.signal, `rdma connect to ${peer.nodeId}`);
     const socket = createConnection({ host: ep.host, port: ep.port });
-    const control = new Control(socket);
+    const control = new Control(socket, this.limits, (reason, message) => this.overBound(peer, reason, message));
     this.#handshakes.add(socket);
     let q: Queues | undefined;
     try {
@@ -2515,7 +2700,9 @@ export class RdmaTransport implements Transport {
       return;
     }
     this.#handshakes.add(socket);
-    const control = new Control(socket);
+    let who: NodeIdentity | undefined;
+    const control = new Control(socket, this.limits, (reason, message) => this.overBound(who, reason, message));
+    control.onIdentity = (id) => (who = id);
     void this.#acceptHandshake(control).finally(() => this.#handshakes.delete(socket));
   }
 
@@ -2528,6 +2715,7 @@ export class RdmaTransport implements Transport {
     let q: Queues | undefined;
     let admitted: string | undefined;
     const reject = (code: string, message: string): void => {
+      this.#handshakeRefusals[code] = (this.#handshakeRefusals[code] ?? 0) + 1;
       control.send({ type: 'reject', code, message });
       control.end();
       setTimeout(() => control.socket.destroy(), 1_000).unref();
@@ -2542,11 +2730,11 @@ export class RdmaTransport implements Transport {
       // Admission, before any queue exists: connections a peer has plus those it is opening.
       const peerKey = `${hello.setup.identity.nodeId}/${hello.setup.identity.incarnation}`;
       const open = (this.#connections.get(peerKey)?.size ?? 0) + (this.#admittedByPeer.get(peerKey) ?? 0);
-      if (open >= MAX_CONNECTIONS_PER_PEER) {
+      if (open >= this.limits.maxConnectionsPerPeer) {
         return reject('too-many-connections', `${hello.setup.identity.nodeId} already has ${open} connections to this node (open or opening)`);
       }
-      if (this.#admitted >= MAX_INBOUND_HANDSHAKES) {
-        return reject('busy', `${MAX_INBOUND_HANDSHAKES} handshakes are in progress here; try again shortly`);
+      if (this.#admitted >= this.limits.maxInboundHandshakes) {
+        return reject('busy', `${this.limits.maxInboundHandshakes} handshakes are in progress here; try again shortly`);
       }
       this.#admitted++;
       this.#admittedByPeer.set(peerKey, (this.#admittedByPeer.get(peerKey) ?? 0) + 1);

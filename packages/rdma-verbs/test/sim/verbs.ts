@@ -17,6 +17,24 @@
  * window's only on the QP it was bound to); an MR with windows bound to it cannot be
  * deregistered; a request whose local MR was deregistered fails with a protection error. It
  * proves nothing about libibverbs or a NIC: the hardware suites do that.
+ *
+ * With `adversary` set (SimFabricOptions), it behaves like the NICs and fabrics the pegaflow
+ * incident met, every choice drawn from one seeded generator (the same seed, the same run):
+ * - each device has its own QPN counter, starting at the same value on every device (peers
+ *   "booted alike" allocate the same QPNs), and a QP is addressed by its device's GID and QPN;
+ * - completions are delivered late and in bursts (per CQ in order, a random prefix per turn);
+ * - a QP moved to ERR does not stop at once: work already posted may still move its bytes
+ *   (a late write) before its flush completion is delivered;
+ * - post() fails with ENOMEM/EAGAIN at random (nothing posted), or accepts only part of a chain
+ *   (a send queue fuller than the caller counts);
+ * - an MR deregistered while work requests that use it are posted is refused with EBUSY
+ *   (`dereg: 'refuse'`) or, "sloppy NIC" (`dereg: 'sloppy'`), deregistered while that work
+ *   still writes into the memory handed back;
+ * - knobs take a port down (every QP on the device to ERR, peers' work fails with retry
+ *   exceeded) and overrun a CQ (its completions are lost, its QPs go to ERR);
+ * - an audit (`fabric.audit`) records every write into memory after it was released (an MR
+ *   deregistered, or a range the test marks released when the transport settled the operation
+ *   that used it); `fabric.assertClean()` fails with the seed.
  */
 import {
   SGE_STRIDE,
@@ -58,7 +76,7 @@ interface SimMr {
 interface SimMw {
   readonly id: number;
   rkey: number;
-  bound: { readonly mr: SimMr; readonly addr: bigint; readonly length: number; readonly access: number; readonly qpn: number } | undefined;
+  bound: { readonly mr: SimMr; readonly addr: bigint; readonly length: number; readonly access: number; readonly qp: SimQp } | undefined;
 }
 
 interface SimSge {
@@ -79,6 +97,8 @@ type Work =
       readonly raddr: bigint;
       readonly rkey: number;
       readonly len: number;
+      /** Adversary: already on the wire when the QP went to ERR (moves its bytes before it flushes). */
+      late?: boolean;
     }
   | {
       readonly kind: 'bind';
@@ -102,6 +122,8 @@ interface SimQp {
   readonly maxSendSge: number;
   state: 'RESET' | 'INIT' | 'RTR' | 'RTS' | 'ERR';
   destQpn: number;
+  /** The responder's device GID (hex), from the RTR address vector. */
+  destGid: string;
   access: number;
   readonly work: Work[];
   running: boolean;
@@ -109,6 +131,10 @@ interface SimQp {
   posted: number;
   /** Every request before this sequence number has been retired by a polled completion. */
   retired: number;
+  /** Adversary: wr_ids of its completions not delivered yet. */
+  lateIds?: Set<number>;
+  /** Bumped to restart execution (a step held at a gate from before exits). */
+  gen?: number;
 }
 
 /** One successful post() call, as recorded while `SimFabric.recordPosts` is set. */
@@ -131,7 +157,93 @@ export interface SimFabricOptions {
   readonly maxQpWr?: number;
   /** Address of the first registration (each next one follows, page aligned). Default 0x7f0000000000. */
   readonly firstAddress?: bigint;
+  /** Behave like a hostile NIC and fabric (see the file's doc comment); off by default. */
+  readonly adversary?: AdversaryOptions;
 }
+
+/** The adversarial behaviours, each drawn from `seed`. */
+export interface AdversaryOptions {
+  /** Seed of every random choice (a failing seed reproduces the run). */
+  readonly seed: number;
+  /** Each device has its own QPN counter, all starting at 0x100. Default true. */
+  readonly perDeviceQpns?: boolean;
+  /** Most event-loop turns a completion may wait before it is delivered. Default 3. */
+  readonly completionDelay?: number;
+  /** Chance that work still posted when its QP goes to ERR moves its bytes before it flushes. Default 0.5. */
+  readonly lateWrites?: number;
+  /** Chance that a post() is refused whole with ENOMEM or EAGAIN. Default 0. */
+  readonly postFailures?: number;
+  /** Chance that a post() of more than one work request accepts only part of it (ENOMEM at the first refused). Default 0. */
+  readonly partialPosts?: number;
+  /** Deregistering an MR that posted work still uses: refused with EBUSY, or done while that work still writes into it. Default 'sloppy'. */
+  readonly dereg?: 'refuse' | 'sloppy';
+}
+
+/** A small seeded generator (mulberry32). */
+export class Rng {
+  #s: number;
+  constructor(seed: number) {
+    this.#s = seed >>> 0;
+  }
+  /** In [0, 1). */
+  next(): number {
+    let t = (this.#s = (this.#s + 0x6d2b79f5) >>> 0);
+    t = Math.imul(t ^ (t >>> 15), t | 1);
+    t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+    return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+  }
+  /** An integer in [0, n). */
+  int(n: number): number {
+    return Math.floor(this.next() * n);
+  }
+  chance(p: number): boolean {
+    return p > 0 && this.next() < p;
+  }
+}
+
+/** The seed of a test run: TW_SIM_SEED when set (to reproduce one), else a fresh one. */
+export function testSeed(): number {
+  const env = process.env['TW_SIM_SEED'];
+  if (env !== undefined && env !== '') return Number(env) >>> 0;
+  return (Date.now() ^ (process.pid << 16) ^ Math.floor(Math.random() * 0x7fffffff)) >>> 0;
+}
+
+/**
+ * Writes into memory after it was released: by deregistration, or by the test (a range the
+ * transport settled). Each range is keyed by its ArrayBuffer, so views of the same memory agree.
+ */
+export class MemoryAudit {
+  readonly #released = new Map<ArrayBufferLike, { start: number; end: number; why: string }[]>();
+  readonly violations: string[] = [];
+  /** Writes checked so far (the audit saw traffic). */
+  writes = 0;
+  /** From now on, any write into `view` is a violation (until reclaimed). */
+  release(view: Uint8Array, why: string): void {
+    const list = this.#released.get(view.buffer) ?? [];
+    list.push({ start: view.byteOffset, end: view.byteOffset + view.byteLength, why });
+    this.#released.set(view.buffer, list);
+  }
+  /** `view` is in use again (registered again, or handed to a new operation). */
+  reclaim(view: Uint8Array): void {
+    const list = this.#released.get(view.buffer);
+    if (!list) return;
+    const a = view.byteOffset;
+    const b = a + view.byteLength;
+    const left = list.filter((r) => r.end <= a || r.start >= b);
+    if (left.length > 0) this.#released.set(view.buffer, left);
+    else this.#released.delete(view.buffer);
+  }
+  /** @internal the simulated NIC writes `len` bytes at `view[off]`. */
+  write(view: Uint8Array, off: number, len: number, what: string): void {
+    this.writes++;
+    const list = this.#released.get(view.buffer);
+    if (!list) return;
+    const a = view.byteOffset + off;
+    const b = a + len;
+    for (const r of list) if (a < r.end && b > r.start) this.violations.push(`${what} wrote ${len} bytes into memory released (${r.why})`);
+  }
+}
+
 
 /** A test knob: while closed, what passes it is held, and runs in order when it opens. */
 export class Gate {
@@ -155,7 +267,25 @@ export class Gate {
 
 /** The shared "subnet": QPs by number, address and key spaces, counters, and test knobs. */
 export class SimFabric {
-  readonly qps = new Map<number, SimQp>();
+  /** Queue pairs by address: `${device GID hex}/${qpn}`. */
+  readonly qps = new Map<string, SimQp>();
+  /** Open devices. */
+  readonly devices = new Set<SimDevice>();
+  /** The adversary's options (with defaults), or undefined. */
+  readonly adversary: Required<AdversaryOptions> | undefined;
+  /** The adversary's generator (also for tests that draw their own choices from the seed). */
+  readonly rng: Rng;
+  readonly audit = new MemoryAudit();
+  /** post() calls refused whole by the adversary (ENOMEM or EAGAIN). */
+  postsInjected = 0;
+  /** post() calls the adversary cut short (part of a chain accepted). */
+  postsCut = 0;
+  /** Work requests that moved their bytes after their QP went to ERR (late writes, before their flush). */
+  lateWrites = 0;
+  /** deregMr calls refused because posted work still uses the MR (dereg: 'refuse'). */
+  deregRefused = 0;
+  #backends = 0;
+  #overrun = false;
   readonly limits: { readonly maxSge: number; readonly maxSgeRd: number; readonly maxQpWr: number };
   readonly counters = { devices: 0, pds: 0, mrs: 0, mws: 0, cqs: 0, qps: 0, channels: 0, threads: 0, postedWrs: 0, completions: 0 };
   /** Closed: window binds wait (to test revoke or close while a bind is on the "NIC"). */
@@ -188,6 +318,58 @@ export class SimFabric {
   constructor(options: SimFabricOptions = {}) {
     this.limits = { maxSge: options.maxSge ?? 30, maxSgeRd: options.maxSgeRd ?? 0, maxQpWr: options.maxQpWr ?? 256 };
     if (options.firstAddress !== undefined) this.nextAddr = options.firstAddress;
+    const a = options.adversary;
+    this.adversary =
+      a === undefined
+        ? undefined
+        : {
+            seed: a.seed >>> 0,
+            perDeviceQpns: a.perDeviceQpns ?? true,
+            completionDelay: a.completionDelay ?? 3,
+            lateWrites: a.lateWrites ?? 0.5,
+            postFailures: a.postFailures ?? 0,
+            partialPosts: a.partialPosts ?? 0,
+            dereg: a.dereg ?? 'sloppy',
+          };
+    this.rng = new Rng(a?.seed ?? 1);
+  }
+
+  /**
+   * Work requests posted and not yet executed (on the "NIC") whose local memory overlaps `view`:
+   * what the NIC can still DMA into (READ) or out of (WRITE). 0 is what a settled operation needs.
+   */
+  inFlight(view: Uint8Array): number {
+    let n = 0;
+    for (const d of this.devices) n += d.inFlightOver(view);
+    return n;
+  }
+
+  /** Fail with every audit violation, naming the seed. */
+  assertClean(): void {
+    const v = this.audit.violations;
+    if (v.length > 0) throw new Error(`simulated verbs (seed ${this.adversary?.seed ?? 'none'}): ${v.length} late writes into released memory: ${v.slice(0, 5).join('; ')}`);
+  }
+
+  /** The device at `gid` (hex) takes its port down: every QP on it goes to ERR; peers' work to it fails (retry exceeded). */
+  portDown(gid: string): void {
+    for (const d of this.devices) if (d.gid === gid) d.portDown();
+  }
+
+  /** The port at `gid` is up again (new QPs work; the old ones stay in ERR). */
+  portUp(gid: string): void {
+    for (const d of this.devices) if (d.gid === gid) d.portUp();
+  }
+
+  /** The next completion queued overruns its CQ: it and every later one there are lost, and the CQ's QPs go to ERR. */
+  overrunNextCompletion(): void {
+    this.#overrun = true;
+  }
+
+  /** @internal */
+  takeOverrun(): boolean {
+    const o = this.#overrun;
+    this.#overrun = false;
+    return o;
   }
 
   /** Make the `n`th READ/WRITE executed from now on (0: the next one) fail with `status`. */
@@ -223,12 +405,25 @@ export class SimFabric {
     return s;
   }
 
-  backend(memoryWindows = true): RdmaBackend {
-    return simulatedBackend(this, memoryWindows);
+  /**
+   * A backend for one transport. Without an adversary every backend shares one GID (QPNs are
+   * unique on the whole fabric); with one, each backend is its own device with its own GID
+   * (IPv4-mapped 127.x.y.z) and, by default, its own QPN counter.
+   */
+  backend(memoryWindows = true, options: { readonly linkLayer?: 'ethernet' | 'infiniband' } = {}): RdmaBackend {
+    const n = ++this.#backends;
+    if (options.linkLayer === 'infiniband') {
+      // An InfiniBand port: addressed by its LID (the subnet manager gave each port its own).
+      const gid = `fe800000000000000000000000${(n + 1).toString(16).padStart(6, '0')}`;
+      return simulatedBackend(this, memoryWindows, gid, n + 1);
+    }
+    const gid = this.adversary === undefined ? '00000000000000000000ffff7f000001' : `00000000000000000000ffff7f${(n + 1).toString(16).padStart(6, '0')}`;
+    return simulatedBackend(this, memoryWindows, gid, 0);
   }
 }
 
-function simulatedBackend(fabric: SimFabric, memoryWindows: boolean): RdmaBackend {
+function simulatedBackend(fabric: SimFabric, memoryWindows: boolean, gid: string, lid: number): RdmaBackend {
+  const ib = lid !== 0;
   const record = {
     name: 'sim0',
     numaNode: undefined,
@@ -242,17 +437,17 @@ function simulatedBackend(fabric: SimFabric, memoryWindows: boolean): RdmaBacken
       {
         port: 1,
         state: 4,
-        linkLayer: 2,
-        lid: 0,
+        linkLayer: ib ? 1 : 2,
+        lid,
         activeMtu: 5,
         maxMtu: 5,
-        gids: [{ index: 1, gid: '00000000000000000000ffff7f000001', type: 'RoCE v2' as const }],
+        gids: [{ index: ib ? 0 : 1, gid, type: ib ? ('IB/RoCE v1' as const) : ('RoCE v2' as const) }],
       },
     ],
   };
   class Device extends SimDevice {
     constructor(name: string, onCompletions: CompletionListener) {
-      super(fabric, name, onCompletions);
+      super(fabric, name, onCompletions, ib ? `lid:${lid}` : gid);
     }
   }
   const native: NativeAddon = {
@@ -265,6 +460,7 @@ function simulatedBackend(fabric: SimFabric, memoryWindows: boolean): RdmaBacken
       ({
         0: 'success',
         1: 'local length error',
+        2: 'local QP operation error',
         4: 'local protection error',
         5: 'Work Request Flushed Error',
         10: 'remote access error',
@@ -283,30 +479,45 @@ function simulatedBackend(fabric: SimFabric, memoryWindows: boolean): RdmaBacken
       library: { loaded: true },
       kernel: { sysfs: false, uverbsDevices: [] },
       devices: [record],
-      selected: { device: 'sim0', port: 1, linkLayer: 'Ethernet', gidIndex: 1, gid: '00000000000000000000ffff7f000001', gidType: 'RoCE v2', numaNode: undefined },
+      selected: ib
+        ? { device: 'sim0', port: 1, linkLayer: 'InfiniBand', gidIndex: 0, gid, gidType: 'IB/RoCE v1', numaNode: undefined }
+        : { device: 'sim0', port: 1, linkLayer: 'Ethernet', gidIndex: 1, gid, gidType: 'RoCE v2', numaNode: undefined },
       dmabuf: false,
       memoryWindows: { type2Supported: memoryWindows, grants: m.mode, note: m.reason },
     },
   };
 }
 
+const hex = (b: Uint8Array | undefined): string => (b === undefined ? '' : Buffer.from(b.buffer, b.byteOffset, b.byteLength).toString('hex'));
+
 export class SimDevice implements NativeDevice {
   readonly name: string;
+  /** This port's address (its GID in hex on RoCE, `lid:<n>` on InfiniBand): with the QPN, the address of its QPs. */
+  readonly gid: string;
   readonly #fabric: SimFabric;
   readonly #deliver: CompletionListener;
   readonly #mrs = new Map<number, SimMr>();
   readonly #mws = new Map<number, SimMw>();
   readonly #cqs = new Set<number>();
+  /** Adversary: CQs that overran (their completions are lost). */
+  readonly #overrun = new Set<number>();
   readonly #qps = new Map<number, SimQp>();
   #nextId = 1;
+  #nextQpn = 0x100;
   #open = true;
+  #portUp = true;
   #batch: number[] = [];
+  /** Adversary: completions not yet delivered, in order (cqId, wrId, status, opcode, vendorErr each). */
+  #late: number[] = [];
+  #pumping = false;
 
-  constructor(fabric: SimFabric, name: string, onCompletions: CompletionListener) {
+  constructor(fabric: SimFabric, name: string, onCompletions: CompletionListener, gid = '00000000000000000000ffff7f000001') {
     if (name !== 'sim0') fail('TW_BACKEND_UNAVAILABLE', `no simulated device ${name}`);
     this.#fabric = fabric;
     this.name = name;
+    this.gid = gid;
     this.#deliver = onCompletions;
+    fabric.devices.add(this);
     fabric.counters.devices++;
     fabric.counters.pds++;
     fabric.counters.threads++;
@@ -334,6 +545,7 @@ export class SimDevice implements NativeDevice {
     f.nextAddr += BigInt(Math.ceil(view.byteLength / 4096) * 4096 + 4096);
     this.#mrs.set(mr.id, mr);
     f.counters.mrs++;
+    f.audit.reclaim(view);
     return { id: mr.id, lkey: mr.rkey, rkey: mr.rkey, addr: mr.addr, length: mr.length };
   }
 
@@ -341,13 +553,46 @@ export class SimDevice implements NativeDevice {
     return fail('TW_BACKEND_UNAVAILABLE', 'simulated verbs have no dma-buf');
   }
 
+  /** @internal Posted work on this device's QPs (not executed yet) whose local SGEs overlap `view`. */
+  inFlightOver(view: Uint8Array): number {
+    const a = view.byteOffset;
+    const b = a + view.byteLength;
+    let n = 0;
+    for (const q of this.#qps.values()) {
+      for (const w of q.work) {
+        if (w.kind !== 'rdma') continue;
+        for (const e of w.sges) {
+          const s = e.mr.buf.byteOffset + e.off;
+          if (e.mr.buf.buffer === view.buffer && s < b && s + e.len > a) {
+            n++;
+            break;
+          }
+        }
+      }
+    }
+    return n;
+  }
+
+  /** Work posted on this device's QPs (not executed yet) that uses `mr` locally. */
+  #inFlight(mr: SimMr): boolean {
+    for (const q of this.#qps.values()) for (const w of q.work) if (w.kind === 'rdma' && w.sges.some((e) => e.mr === mr)) return true;
+    return false;
+  }
+
   deregMr(id: number): boolean {
     if (!this.#open) return false;
     const mr = this.#mrs.get(id);
     if (!mr) return false;
     for (const w of this.#mws.values()) if (w.bound?.mr === mr) fail('TW_BACKEND_UNAVAILABLE', 'ibv_dereg_mr: Device or resource busy (errno 16): windows are bound to it');
+    const adv = this.#fabric.adversary;
+    if (adv?.dereg === 'refuse' && this.#inFlight(mr)) {
+      this.#fabric.deregRefused++;
+      fail('TW_BACKEND_UNAVAILABLE', 'ibv_dereg_mr: Device or resource busy (errno 16): work requests that use it are posted');
+    }
     this.#mrs.delete(id);
     this.#fabric.counters.mrs--;
+    // The memory is handed back: from now on no write may land in it.
+    this.#fabric.audit.release(mr.buf, `MR ${id} deregistered`);
     return true;
   }
 
@@ -363,6 +608,7 @@ export class SimDevice implements NativeDevice {
     if (!this.#open || !this.#cqs.has(id)) return false;
     for (const q of this.#qps.values()) if (q.cqId === id) fail('TW_INVALID_INPUT', 'destroy the queue pairs on a CQ before the CQ');
     this.#cqs.delete(id);
+    this.#overrun.delete(id);
     this.#fabric.counters.cqs--;
     return true;
   }
@@ -373,15 +619,17 @@ export class SimDevice implements NativeDevice {
     const l = this.#fabric.limits;
     // ibv_create_qp refuses capacities beyond the device's (EINVAL); the addon reports it so.
     if (maxSendWr < 1 || maxSendWr > l.maxQpWr || maxSendSge < 1 || maxSendSge > l.maxSge) fail('TW_RESOURCE_EXHAUSTED', 'ibv_create_qp: Invalid argument (errno 22)');
+    const perDevice = this.#fabric.adversary?.perDeviceQpns === true;
     const qp: SimQp = {
       id: this.#nextId++,
-      qpn: this.#fabric.nextQpn++,
+      qpn: perDevice ? this.#nextQpn++ : this.#fabric.nextQpn++,
       dev: this,
       cqId,
       maxSendWr,
       maxSendSge,
       state: 'RESET',
       destQpn: -1,
+      destGid: '',
       access: 0,
       work: [],
       running: false,
@@ -389,7 +637,7 @@ export class SimDevice implements NativeDevice {
       retired: 0,
     };
     this.#qps.set(qp.id, qp);
-    this.#fabric.qps.set(qp.qpn, qp);
+    this.#fabric.qps.set(`${this.gid}/${qp.qpn}`, qp);
     this.#fabric.counters.qps++;
     return { id: qp.id, qpn: qp.qpn, maxSendWr, maxSendSge };
   }
@@ -406,11 +654,27 @@ export class SimDevice implements NativeDevice {
     const q = this.#qps.get(id);
     if (!q) return false;
     q.state = 'ERR';
-    q.work.length = 0; // pending completions of a destroyed QP are never delivered
+    q.work.length = 0; // pending work and completions of a destroyed QP are never delivered; DMA stops
     this.#qps.delete(id);
-    this.#fabric.qps.delete(q.qpn);
+    this.#fabric.qps.delete(`${this.gid}/${q.qpn}`);
     this.#fabric.counters.qps--;
+    // Completions of it not delivered yet are dropped with it.
+    this.#dropLate((cq, wr) => cq === q.cqId && this.#qpOfLate(q, wr));
     return true;
+  }
+
+  /** @internal whether a late completion with `wrId` belongs to `q` (tracked per QP). */
+  #qpOfLate(q: SimQp, wrId: number): boolean {
+    return q.lateIds?.has(wrId) === true;
+  }
+
+  #dropLate(match: (cqId: number, wrId: number) => boolean): void {
+    if (this.#late.length === 0) return;
+    const kept: number[] = [];
+    for (let i = 0; i < this.#late.length; i += 5) {
+      if (!match(this.#late[i] as number, this.#late[i + 1] as number)) kept.push(...this.#late.slice(i, i + 5));
+    }
+    this.#late = kept;
   }
 
   qpInit(id: number, _port: number, access: number): void {
@@ -419,10 +683,11 @@ export class SimDevice implements NativeDevice {
     q.access = access;
   }
 
-  qpRtr(id: number, attrs: { destQpn: number }): void {
+  qpRtr(id: number, attrs: { destQpn: number; dgid?: Uint8Array; dlid: number; isGlobal: boolean }): void {
     const q = this.#qp(id);
     if (q.state !== 'INIT') fail('TW_CONNECTION_BROKEN', 'ibv_modify_qp(RTR): Invalid argument (errno 22)');
     q.destQpn = attrs.destQpn;
+    q.destGid = attrs.isGlobal ? hex(attrs.dgid) : `lid:${attrs.dlid}`;
     q.state = 'RTR';
   }
 
@@ -433,7 +698,30 @@ export class SimDevice implements NativeDevice {
   }
 
   qpError(id: number): void {
-    this.#qp(id).state = 'ERR';
+    this.#toError(this.#qp(id));
+  }
+
+  /** A QP goes to ERR. Adversary: work already posted may be on the wire and still move its bytes before it flushes. */
+  #toError(q: SimQp): void {
+    if (q.state === 'ERR') return;
+    q.state = 'ERR';
+    const adv = this.#fabric.adversary;
+    if (adv === undefined) return;
+    for (const w of q.work) if (w.kind === 'rdma' && this.#fabric.rng.chance(adv.lateWrites)) w.late = true;
+    // In ERR the gates do not hold work back: what waits at one flushes now.
+    q.gen = (q.gen ?? 0) + 1;
+    q.running = false;
+    this.#run(q);
+  }
+
+  /** Adversary knob: the port goes down. */
+  portDown(): void {
+    this.#portUp = false;
+    for (const q of this.#qps.values()) if (q.state !== 'RESET' && q.state !== 'INIT') this.#toError(q);
+  }
+
+  portUp(): void {
+    this.#portUp = true;
   }
 
   /** Validates like the addon, then queues the chain; see NativeDevice.post. */
@@ -446,7 +734,7 @@ export class SimDevice implements NativeDevice {
     if (!uint(firstWr, wrTotal) || !uint(count, wrTotal - firstWr) || count === 0) fail('TW_INVALID_INPUT', 'work requests out of range');
     if (count > q.maxSendWr) fail('TW_RESOURCE_EXHAUSTED', 'chain longer than the send queue');
     if (!uint(wrIdBase, 2 ** 53 - count)) fail('TW_INVALID_INPUT', 'wrIdBase + count must stay below 2^53');
-    const items: Work[] = [];
+    const items: (Work & { kind: 'rdma' })[] = [];
     for (let i = 0; i < count; i++) {
       const at = (firstWr + i) * WR_STRIDE;
       const op = wrs[at + WrField.Op] as number;
@@ -485,22 +773,33 @@ export class SimDevice implements NativeDevice {
         len,
       });
     }
-    const refused = this.#fabric.takePostFault();
+    const f = this.#fabric;
+    const refused = f.takePostFault();
     if (refused !== undefined) {
       return { posted: 0, errno: refused, error: `ibv_post_send: injected failure (errno ${refused})` };
     }
+    const adv = f.adversary;
+    if (adv !== undefined && f.rng.chance(adv.postFailures)) {
+      f.postsInjected++;
+      const errno = f.rng.chance(0.5) ? 11 : 12;
+      return { posted: 0, errno, error: `ibv_post_send: ${errno === 12 ? 'Cannot allocate memory' : 'Resource temporarily unavailable'} (errno ${errno}, injected)` };
+    }
     // Like a provider: every request takes a slot; the first that does not fit fails the post
     // (ENOMEM) and those before it stay posted.
-    const room = q.maxSendWr - (q.posted - q.retired);
+    let room = q.maxSendWr - (q.posted - q.retired);
+    if (adv !== undefined && items.length > 1 && f.rng.chance(adv.partialPosts)) {
+      // A send queue fuller than the caller counts: part of the chain fits.
+      f.postsCut++;
+      room = Math.min(room, 1 + f.rng.int(items.length - 1));
+    }
     const posted = Math.max(0, Math.min(room, items.length));
     for (let i = 0; i < posted; i++) q.work.push({ ...(items[i] as Work & { kind: 'rdma' }), seq: q.posted++ });
-    const f = this.#fabric;
     f.counters.postedWrs += posted;
     f.peakSlotsHeld = Math.max(f.peakSlotsHeld, q.posted - q.retired);
     if (posted > 0) f.posts++;
     if (posted < items.length) f.postsRefused++;
     if (f.recordPosts && posted > 0) {
-      const mine = items.slice(0, posted) as (Work & { kind: 'rdma' })[];
+      const mine = items.slice(0, posted);
       f.postLog.push({ qpn: q.qpn, sges: mine.map((w) => w.sges.length), bytes: mine.map((w) => w.len), slotsHeld: q.posted - q.retired });
     }
     this.#run(q);
@@ -541,15 +840,15 @@ export class SimDevice implements NativeDevice {
     return true;
   }
 
-  /** The responder's check of an incoming request that arrived on QP `qpn`. */
-  resolve(rkey: number, addr: bigint, len: number, need: number, qpn: number): { buf: Uint8Array; off: number } | undefined {
+  /** The responder's check of an incoming request that arrived on QP `via`. */
+  resolve(rkey: number, addr: bigint, len: number, need: number, via: SimQp): { buf: Uint8Array; off: number } | undefined {
     const inRange = (base: bigint, size: number): boolean => addr >= base && addr + BigInt(len) <= base + BigInt(size);
     for (const mr of this.#mrs.values()) {
       if (mr.rkey === rkey && (mr.access & need) === need && inRange(mr.addr, mr.length)) return { buf: mr.buf, off: Number(addr - mr.addr) };
     }
     for (const mw of this.#mws.values()) {
       const b = mw.bound;
-      if (b && mw.rkey === rkey && b.qpn === qpn && (b.access & need) === need && inRange(b.addr, b.length)) return { buf: b.mr.buf, off: Number(addr - b.mr.addr) };
+      if (b && mw.rkey === rkey && b.qp === via && (b.access & need) === need && inRange(b.addr, b.length)) return { buf: b.mr.buf, off: Number(addr - b.mr.addr) };
     }
     return undefined;
   }
@@ -558,7 +857,9 @@ export class SimDevice implements NativeDevice {
   #run(q: SimQp): void {
     if (q.running) return;
     q.running = true;
+    const gen = q.gen;
     const step = (): void => {
+      if (q.gen !== gen) return; // restarted: another step runs this QP now
       const w = q.work[0];
       if (!w || !this.#qps.has(q.id)) {
         q.running = false;
@@ -579,54 +880,86 @@ export class SimDevice implements NativeDevice {
     setImmediate(step);
   }
 
+  /** Move a request's bytes between its SGEs and the responder's range. */
+  #move(q: SimQp, w: Work & { kind: 'rdma' }, target: { buf: Uint8Array; off: number }, what: string): void {
+    const audit = this.#fabric.audit;
+    let at = target.off;
+    for (const e of w.sges) {
+      const local = e.mr.buf.subarray(e.off, e.off + e.len);
+      const remote = target.buf.subarray(at, at + e.len);
+      if (w.op === 0) {
+        audit.write(e.mr.buf, e.off, e.len, `${what} READ wr ${w.wrId} on QP ${q.qpn}`);
+        local.set(remote);
+      } else {
+        audit.write(target.buf, at, e.len, `${what} WRITE wr ${w.wrId} on QP ${q.qpn}`);
+        remote.set(local);
+      }
+      at += e.len;
+    }
+  }
+
+  #peerOf(q: SimQp): SimQp | undefined {
+    const peer = this.#fabric.qps.get(`${q.destGid}/${q.destQpn}`);
+    if (!peer || !this.#portUp || !peer.dev.#portUp) return undefined;
+    if ((peer.state !== 'RTR' && peer.state !== 'RTS') || peer.destQpn !== q.qpn || peer.destGid !== this.gid) return undefined;
+    return peer;
+  }
+
   #execute(q: SimQp, w: Work): void {
     const opcode = w.kind === 'bind' ? OPCODE.BindMw : w.op === 0 ? OPCODE.RdmaRead : OPCODE.RdmaWrite;
-    // In ERR every request flushes, and a flush always completes, signaled or not.
-    if (q.state === 'ERR') return this.#complete(q, w, WC.WrFlushErr, opcode);
+    // In ERR every request flushes, and a flush always completes, signaled or not. Adversary: a
+    // request that was on the wire when the QP went to ERR still moves its bytes first (its local
+    // MR may be deregistered by now: a sloppy NIC still writes there).
+    if (q.state === 'ERR') {
+      if (w.kind === 'rdma' && w.late === true) {
+        const peer = this.#fabric.qps.get(`${q.destGid}/${q.destQpn}`);
+        const need = w.op === 0 ? ACCESS.RemoteRead : ACCESS.RemoteWrite;
+        const target = peer && (peer.access & need) === need ? peer.dev.resolve(w.rkey, w.raddr, w.len, need, peer) : undefined;
+        if (target) {
+          this.#fabric.lateWrites++;
+          this.#move(q, w, target, 'late');
+        }
+      }
+      return this.#complete(q, w, WC.WrFlushErr, opcode);
+    }
     if (w.kind === 'bind') {
       if (!this.#mws.has(w.mw.id) || !this.#mrs.has(w.mr.id)) {
-        q.state = 'ERR';
+        this.#toError(q);
         return this.#complete(q, w, WC.LocProtErr, opcode);
       }
-      w.mw.bound = { mr: w.mr, addr: w.mr.addr + BigInt(w.off), length: w.len, access: w.access, qpn: q.qpn };
+      w.mw.bound = { mr: w.mr, addr: w.mr.addr + BigInt(w.off), length: w.len, access: w.access, qp: q };
       return this.#complete(q, w, WC.Success, opcode);
     }
-    const peer = this.#fabric.qps.get(q.destQpn);
-    if (!peer || (peer.state !== 'RTR' && peer.state !== 'RTS') || peer.destQpn !== q.qpn) {
-      q.state = 'ERR';
+    const peer = this.#peerOf(q);
+    if (!peer) {
+      this.#toError(q);
       return this.#complete(q, w, WC.RetryExcErr, opcode);
     }
     const injected = this.#fabric.takeFault();
     this.#fabric.executed++;
     if (injected !== undefined) {
-      q.state = 'ERR';
+      this.#toError(q);
       return this.#complete(q, w, injected, opcode);
     }
-    // The local side: every SGE's MR must still be registered (deregistering memory the NIC
-    // still uses is the transport's bug; a NIC would fail it with a protection error).
+    // The local side: every SGE's MR must still be registered. A NIC fails a request whose MR is
+    // gone with a protection error; a sloppy one (adversary, dereg: 'sloppy') still writes.
+    const sloppy = this.#fabric.adversary?.dereg === 'sloppy';
     for (const e of w.sges) {
-      if (!this.#mrs.has(e.mr.id)) {
-        q.state = 'ERR';
+      if (!this.#mrs.has(e.mr.id) && !sloppy) {
+        this.#toError(q);
         return this.#complete(q, w, WC.LocProtErr, opcode);
       }
     }
     const need = w.op === 0 ? ACCESS.RemoteRead : ACCESS.RemoteWrite;
-    const target = (peer.access & need) === need ? peer.dev.resolve(w.rkey, w.raddr, w.len, need, peer.qpn) : undefined;
+    const target = (peer.access & need) === need ? peer.dev.resolve(w.rkey, w.raddr, w.len, need, peer) : undefined;
     if (!target) {
       // An access violation takes both ends to ERR (the responder raises IBV_EVENT_QP_ACCESS_ERR).
-      q.state = 'ERR';
-      peer.state = 'ERR';
+      this.#toError(q);
+      peer.dev.#toError(peer);
       return this.#complete(q, w, WC.RemAccessErr, opcode);
     }
     // One contiguous remote range, scattered into (READ) or gathered from (WRITE) the SGEs in order.
-    let at = target.off;
-    for (const e of w.sges) {
-      const local = e.mr.buf.subarray(e.off, e.off + e.len);
-      const remote = target.buf.subarray(at, at + e.len);
-      if (w.op === 0) local.set(remote);
-      else remote.set(local);
-      at += e.len;
-    }
+    this.#move(q, w, target, 'a');
     this.#complete(q, w, WC.Success, opcode);
   }
 
@@ -637,11 +970,27 @@ export class SimDevice implements NativeDevice {
       this.#fabric.completionGate.hold(() => this.#complete(q, w, status, opcode));
       return;
     }
+    if (this.#overrun.has(q.cqId)) return; // the CQ overran: its completions are lost
+    if (this.#fabric.takeOverrun()) {
+      // More completions than the CQ holds: the CQ is in error (IBV_EVENT_CQ_ERR), what it
+      // would have held is lost, and its QPs go to ERR (their flushes are lost too).
+      this.#overrun.add(q.cqId);
+      for (const o of this.#qps.values()) if (o.cqId === q.cqId) this.#toError(o);
+      this.#dropLate((cq) => cq === q.cqId);
+      return;
+    }
     this.#fabric.counters.completions++;
     // Polling a completion retires its request and every earlier one: their slots are free.
     q.retired = Math.max(q.retired, w.seq + 1);
+    const tuple = [q.cqId, w.wrId, status, opcode, status === WC.Success ? 0 : 0x81];
+    if (this.#fabric.adversary !== undefined) {
+      (q.lateIds ??= new Set()).add(w.wrId);
+      this.#late.push(...tuple);
+      this.#pumpLate();
+      return;
+    }
     const first = this.#batch.length === 0;
-    this.#batch.push(q.cqId, w.wrId, status, opcode, status === WC.Success ? 0 : 0x81);
+    this.#batch.push(...tuple);
     if (first) {
       setImmediate(() => {
         const t = Float64Array.from(this.#batch);
@@ -649,6 +998,33 @@ export class SimDevice implements NativeDevice {
         if (this.#open) this.#deliver(t);
       });
     }
+  }
+
+  /** Adversary: deliver what is late in bursts: each turn a random prefix (possibly none), after a random wait. */
+  #pumpLate(): void {
+    if (this.#pumping) return;
+    this.#pumping = true;
+    const adv = this.#fabric.adversary as Required<AdversaryOptions>;
+    const rng = this.#fabric.rng;
+    const turn = (): void => {
+      if (!this.#open || this.#late.length === 0) {
+        this.#pumping = false;
+        return;
+      }
+      const n = this.#late.length / 5;
+      // Most turns deliver something; a turn may deliver nothing (late), or everything (a burst).
+      const take = rng.chance(0.25) ? 0 : rng.chance(0.5) ? n : 1 + rng.int(n);
+      if (take > 0) {
+        const t = Float64Array.from(this.#late.slice(0, take * 5));
+        this.#late = this.#late.slice(take * 5);
+        for (let i = 0; i < t.length; i += 5) {
+          for (const q of this.#qps.values()) if (q.cqId === t[i]) q.lateIds?.delete(t[i + 1] as number);
+        }
+        this.#deliver(t);
+      }
+      later(1 + rng.int(adv.completionDelay + 1), turn);
+    };
+    later(rng.int(adv.completionDelay + 1), turn);
   }
 
   close(): void {
@@ -663,11 +1039,19 @@ export class SimDevice implements NativeDevice {
       this.#mrs.delete(id);
       this.#fabric.counters.mrs--;
     }
+    this.#late = [];
     this.#open = false;
+    this.#fabric.devices.delete(this);
     const c = this.#fabric.counters;
     c.devices--;
     c.pds--;
     c.threads--;
     c.channels--;
   }
+}
+
+/** Run `f` after `turns` turns of the event loop (setImmediate hops; 0: on the next one). */
+function later(turns: number, f: () => void): void {
+  if (turns <= 0) setImmediate(f);
+  else setImmediate(() => later(turns - 1, f));
 }
