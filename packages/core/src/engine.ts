@@ -31,6 +31,7 @@ import {
   ConnectionBrokenError,
   InvalidInputError,
   ResourceExhaustedError,
+  SessionInvalidatedError,
   TensorwireError,
   TimedOutError,
   errorFromSignal,
@@ -290,6 +291,22 @@ export class Registration {
     return this.revoke();
   }
 }
+
+/**
+ * Whether a failed post may run again on a fresh connection: the connection was retired in an
+ * orderly way under it (GOAWAY, the idle rule, a simultaneous open settled: it was no longer
+ * open when the streams settled) and refused work only with SessionInvalidatedError, and the
+ * caller still has time. A session that dies on an open connection is not retried: its
+ * SessionInvalidatedError reaches the caller (invariant 4). Every stream has
+ * quiesced before the post rejects, and a read or write of the same ranges again is
+ * idempotent, so the caller never sees the retirement. At most two retries.
+ */
+function retiredUnderUs(e: unknown, conn: TransportConnection, attempt: number, signal: AbortSignal, deadline: number): boolean {
+  return e instanceof SessionInvalidatedError && retiredUnder.has(e) && attempt < 2 && !conn.isOpen && !signal.aborted && Date.now() < deadline;
+}
+
+/** Errors of posts whose connection retired under them (see {@link retiredUnderUs}). */
+const retiredUnder = new WeakSet<TensorwireError>();
 
 /** Revoke the transports' grants of one engine grant; never rejects. */
 function revokeGrantEntries(entries: Iterable<RegistrationEntry>): Promise<PromiseSettledResult<void>[]> {
@@ -1110,13 +1127,19 @@ export class TransferEngine {
     const plan = this.#plan(op, peerArg, requests);
     const { signal, deadline, dispose } = this.#deadlineSignal(options);
     try {
-      let pc = await this.#connection(plan.ep, plan.transport, signal);
-      if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal); // retired between handshake and use
-      const conn = pc.conn as TransportConnection;
-      const first = pc.nextStream;
-      const split = this.#split(plan, conn, first);
-      pc.nextStream = (first + split.chunks) % Math.max(1, conn.streams);
-      return await this.#post(plan, pc, conn, split, signal, deadline);
+      for (let attempt = 0; ; attempt++) {
+        let pc = await this.#connection(plan.ep, plan.transport, signal);
+        if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal); // retired between handshake and use
+        const conn = pc.conn as TransportConnection;
+        const first = pc.nextStream;
+        const split = this.#split(plan, conn, first);
+        pc.nextStream = (first + split.chunks) % Math.max(1, conn.streams);
+        try {
+          return await this.#post(plan, pc, conn, split, signal, deadline);
+        } catch (e) {
+          if (!retiredUnderUs(e, conn, attempt, signal, deadline)) throw e;
+        }
+      }
     } finally {
       dispose();
     }
@@ -1166,15 +1189,22 @@ export class TransferEngine {
     }
     const { signal, deadline, dispose } = this.#deadlineSignal(options);
     try {
-      let pc = old && this.#table.get(old.key) === old && old.conn?.isOpen === true ? old : await this.#connection(plan.ep, plan.transport, signal);
-      if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal);
-      const conn = pc.conn as TransportConnection;
-      if (state.pc !== pc || !state.split || state.split.conn !== conn) {
-        // First post, or the old connection was retired in an orderly way: plan for this one.
-        state.pc = pc;
-        state.split = this.#split(plan, conn, state.first);
+      for (let attempt = 0; ; attempt++) {
+        const prev = state.pc;
+        let pc = prev && this.#table.get(prev.key) === prev && prev.conn?.isOpen === true ? prev : await this.#connection(plan.ep, plan.transport, signal);
+        if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal);
+        const conn = pc.conn as TransportConnection;
+        if (state.pc !== pc || !state.split || state.split.conn !== conn) {
+          // First post, or the old connection was retired in an orderly way: plan for this one.
+          state.pc = pc;
+          state.split = this.#split(plan, conn, state.first);
+        }
+        try {
+          return await this.#post(plan, pc, conn, state.split, signal, deadline);
+        } catch (e) {
+          if (!retiredUnderUs(e, conn, attempt, signal, deadline)) throw e;
+        }
       }
-      return await this.#post(plan, pc, conn, state.split, signal, deadline);
     } catch (e) {
       if (e instanceof TensorwireError && e.breaksConnection && state.pc?.brokenBy) state.broken = state.pc.brokenBy;
       throw e;
@@ -1385,9 +1415,14 @@ export class TransferEngine {
       let failures: TensorwireError[] | undefined;
       for (const r of results) if (r.status === 'rejected') (failures ??= []).push(toTensorwireError(r.reason));
       if (failures) {
-        const broken = failures.find((f) => f.breaksConnection);
+        // The connection retired in an orderly way under this post (it was not open when the
+        // streams settled, and they refused work only as invalidated): not a broken connection.
+        const retired = !conn.isOpen && failures.every((f) => f instanceof SessionInvalidatedError);
+        const broken = retired ? undefined : failures.find((f) => f.breaksConnection);
         if (broken) this.#invalidateEntry(pc, conn, broken);
-        throw broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? (failures[0] as TensorwireError);
+        const err = broken ?? failures.find((f) => !(f instanceof TimedOutError || f instanceof AbortedError)) ?? (failures[0] as TensorwireError);
+        if (retired) retiredUnder.add(err);
+        throw err;
       }
       const m = this.#hot(transport.name, op);
       m?.bytes.inc(plan.bytes);
@@ -1434,6 +1469,9 @@ export class TransferEngine {
           this.metrics?.errors.inc({ transport: pc.transport.name, code: e.code });
           await sleep(backoff, signal);
           backoff = Math.min(backoff * 2, 50);
+          // Retired while we backed off (GOAWAY, idle, a simultaneous open settled): nothing of
+          // this batch was posted, so the post is retried on the connection that replaces it.
+          if (!signal.aborted && !conn.isOpen) throw new SessionInvalidatedError(`connection to ${pc.peer.nodeId} retired while a post backed off; nothing of it was posted`);
           if (!signal.aborted) continue;
         }
         throw e;
