@@ -3,7 +3,7 @@ import tseslint from 'typescript-eslint';
 
 export default tseslint.config(
   {
-    ignores: ['**/dist/**', '**/build/**', '**/node_modules/**', '**/.turbo/**', '**/*.d.ts'],
+    ignores: ['**/dist/**', '**/build/**', '**/node_modules/**', '**/.turbo/**', '**/*.d.ts', '**/.stryker-tmp/**', '**/coverage/**', 'docs/api/**', '**/prebuilds/**'],
   },
   js.configs.recommended,
   ...tseslint.configs.recommended,
@@ -18,7 +18,7 @@ export default tseslint.config(
   {
     files: ['**/*.js', '**/*.mjs', '**/*.cjs'],
     languageOptions: {
-      globals: { process: 'readonly', console: 'readonly', Buffer: 'readonly', setTimeout: 'readonly', clearTimeout: 'readonly' },
+      globals: { process: 'readonly', console: 'readonly', Buffer: 'readonly', setTimeout: 'readonly', clearTimeout: 'readonly', URL: 'readonly' },
     },
   },
 );
