@@ -5,7 +5,7 @@ export { CudaIpcTransport, decodePayload, decodeEndpointBlob } from './transport
 export type { CudaIpcTransportOptions, CudaIpcLimits, CudaIpcPeerEvent, RemoteGrant, RemoteRangeGrant, EndpointInfo } from './transport.js';
 export { allocateSharedMemory, releaseSharedMemory, sweep } from './shared.js';
 export type { SweepReport } from './shared.js';
-export { capabilities, isAvailable, native, addonCandidates, SegmentKind, SegmentState } from './native.js';
+export { capabilities, isAvailable, native, addonCandidates, SegmentKind, SegmentState, GrantResult } from './native.js';
 export type { Capabilities, NativeAddon, SegmentMeta, SegmentLocator, SegmentInit, NativeLayout, CudaProbe, CudaExport } from './native.js';
 export type { PlatformInfo } from './load.js';
 export type { TableGeometry } from './grants.js';

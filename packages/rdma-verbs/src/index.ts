@@ -41,7 +41,10 @@ export {
   type RtsAttributes,
   type PostResult,
   type LoadResult,
+  type NativeGid,
+  type CompletionListener,
 } from './native.js';
+export type { PlatformInfo } from './load.js';
 
 import { tryLoadNative, type NativeCounters } from './native.js';
 
