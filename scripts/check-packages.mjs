@@ -46,7 +46,7 @@ const ARCHES = ['x64', 'arm64'];
 const common = ['package.json', 'README.md', 'LICENSE', 'dist/**/*.js', 'dist/**/*.d.ts'];
 /** Per package: the only files its tarball may hold (globs), and files it must hold. */
 const ALLOW = {
-  core: { allow: common, require: ['dist/index.js', 'dist/index.d.ts', 'dist/testing/index.js', 'dist/testing/pattern.js'] },
+  core: { allow: common, require: ['dist/index.js', 'dist/index.d.ts', 'dist/testing/index.js', 'dist/testing/pattern.js', 'dist/addon.js'] },
   'cuda-ipc': {
     allow: [...common, 'CMakeLists.txt', 'native/*.cc', 'native/*.h', 'scripts/install.mjs', 'prebuilds/linux-x64/@tensorwire+cuda-ipc.glibc.node', 'prebuilds/linux-arm64/@tensorwire+cuda-ipc.glibc.node'],
     require: ['dist/index.js', 'dist/install.js', 'CMakeLists.txt', 'scripts/install.mjs', 'prebuilds/linux-x64/@tensorwire+cuda-ipc.glibc.node', 'prebuilds/linux-arm64/@tensorwire+cuda-ipc.glibc.node'],

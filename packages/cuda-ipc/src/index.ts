@@ -7,7 +7,7 @@ export { allocateSharedMemory, releaseSharedMemory, sweep } from './shared.js';
 export type { SweepReport } from './shared.js';
 export { capabilities, isAvailable, native, addonCandidates, SegmentKind, SegmentState, GrantResult } from './native.js';
 export type { Capabilities, NativeAddon, SegmentMeta, SegmentLocator, SegmentInit, NativeLayout, CudaProbe, CudaExport } from './native.js';
-export type { PlatformInfo } from './load.js';
+export type { PlatformInfo } from '@tensorwire/core/addon';
 export type { TableGeometry } from './grants.js';
 export { DTYPES, MAX_NDIM } from './dtype.js';
 export type { Dtype, TypedArrayFor } from './dtype.js';

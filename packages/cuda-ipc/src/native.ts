@@ -5,7 +5,7 @@
  * into the typed errors of @tensorwire/core.
  */
 import { ADDON_SPEC } from './addon-spec.js';
-import { addonPaths, loadAddon, loadFailureMessage, sourceBuildHint, type PlatformInfo } from './load.js';
+import { addonPaths, loadAddon, loadFailureMessage, sourceBuildHint, type PlatformInfo } from '@tensorwire/core/addon';
 import { BackendUnavailableError, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
 
 /** Segment kinds in the header's `kind` field. */
@@ -202,7 +202,7 @@ interface LoadResult {
 
 let loaded: LoadResult | undefined;
 
-/** Where the loader looks, in order (see load.ts). `TENSORWIRE_CUDA_IPC_ADDON` overrides. */
+/** Where the loader looks, in order (see `@tensorwire/core/addon`). `TENSORWIRE_CUDA_IPC_ADDON` overrides. */
 export function addonCandidates(): string[] {
   return addonPaths(ADDON_SPEC);
 }

@@ -1,7 +1,7 @@
-/** What the loader (load.ts) needs to know about this package's addon. */
+/** What the loader (`@tensorwire/core/addon`) needs to know about this package's addon. */
 import { dirname, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
-import type { AddonSpec } from './load.js';
+import type { AddonSpec } from '@tensorwire/core/addon';
 
 export const ADDON_SPEC: AddonSpec = {
   name: '@tensorwire/rdma-verbs',

@@ -44,7 +44,7 @@ export {
   type NativeGid,
   type CompletionListener,
 } from './native.js';
-export type { PlatformInfo } from './load.js';
+export type { PlatformInfo } from '@tensorwire/core/addon';
 
 import { tryLoadNative, type NativeCounters } from './native.js';
 

@@ -1,5 +1,5 @@
-/** The npm `install` hook (scripts/install.mjs runs it): see installHook in load.ts. */
+/** The npm `install` hook (scripts/install.mjs runs it): see installHook in `@tensorwire/core/addon`. */
 import { ADDON_SPEC } from './addon-spec.js';
-import { installHook } from './load.js';
+import { installHook } from '@tensorwire/core/addon';
 
 installHook(ADDON_SPEC);

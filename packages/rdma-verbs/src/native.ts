@@ -6,7 +6,7 @@
  * set) and keeps every error, so "cannot load" says what was tried and why each failed.
  */
 import { ADDON_SPEC } from './addon-spec.js';
-import { addonPaths, loadAddon, loadFailureMessage, sourceBuildHint, type PlatformInfo } from './load.js';
+import { addonPaths, loadAddon, loadFailureMessage, sourceBuildHint, type PlatformInfo } from '@tensorwire/core/addon';
 import { BackendUnavailableError, ErrorCode, errorFromCode, isErrorCode, type TensorwireError } from '@tensorwire/core';
 
 /** What `probe()` reports: how far the addon gets on this machine. */
@@ -265,7 +265,7 @@ export interface NativeAddon {
 
 export const ADDON_FILE = 'tensorwire_rdma_verbs.node';
 
-/** Where the loader looks, in order (see load.ts). `TENSORWIRE_RDMA_ADDON` overrides. */
+/** Where the loader looks, in order (see `@tensorwire/core/addon`). `TENSORWIRE_RDMA_ADDON` overrides. */
 export function addonCandidates(): string[] {
   return addonPaths(ADDON_SPEC);
 }

@@ -1,10 +1,13 @@
 /**
- * Finding and loading this package's native addon (the same file ships in every tensorwire
- * addon package). Order: the `<PACKAGE>_ADDON` override, then what node-gyp-build picks in
- * the package directory (a build from source in `build/Release` or `build/Debug`, else the
- * prebuild in `prebuilds/<platform>-<arch>/` whose tags match this Node and libc). Never
- * throws: a failure comes back as errors plus a description of the platform, the prebuilds
- * the package has and what to install to build from source, for BackendUnavailableError.
+ * `@tensorwire/core/addon`: finding and loading a tensorwire plugin's native addon, shared by
+ * every addon package (`@tensorwire/cuda-ipc`, `@tensorwire/rdma-verbs`) so the rules are one
+ * piece of code. Order: the package's `*_ADDON` override, then what node-gyp-build (resolved
+ * from the addon package, which depends on it) picks in the package directory: a build from
+ * source in `build/Release` or `build/Debug`, else the prebuild in
+ * `prebuilds/<platform>-<arch>/` whose tags match this Node and libc. Never throws: a failure
+ * comes back as errors plus a description of the platform, the prebuilds the package has and
+ * what to install to build from source, for BackendUnavailableError. Also the packages' npm
+ * `install` hook ({@link installHook}).
  */
 import { spawnSync } from 'node:child_process';
 import { existsSync, readdirSync } from 'node:fs';
