@@ -422,6 +422,10 @@ export class FramedStream implements FrameSink, GrantUser {
   }
 
   #live(what: string): boolean {
+    // The stream failed while the parser was still walking the chunk it came in (a peer over
+    // its queue bound, say): the rest of that chunk is ignored. A WRITEV head taken now would
+    // pin its grants for data that can never arrive, after failAll has released everything.
+    if (this.socket.destroyed) return false;
     if (!this.#established || !this.#owner) {
       this.#protocolError(new InvalidInputError(`${what} before the handshake finished`));
       return false;
