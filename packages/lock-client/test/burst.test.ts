@@ -8,48 +8,20 @@
  * loaded 2-core machine runs at ~1,000-3,000/s, so 100,000 would take minutes to prepare.
  * The full size: `TENSORWIRE_BURST_LEASES=100000 npx vitest run packages/lock-client/test/burst.test.ts`.
  */
-import { fork, type ChildProcess } from 'node:child_process';
-import { fileURLToPath } from 'node:url';
-import { afterEach, describe, expect, it } from 'vitest';
+import type { ChildProcess } from 'node:child_process';
+import { describe, expect, it } from 'vitest';
 import { LockClient, type LockGuard, type ReleaseResult } from '../src/index.js';
 import type { LockServerCounters } from '../src/server/index.js';
+import { forkFixture, killChildrenAfterEach, message } from './children.js';
 
 const N = Number(process.env['TENSORWIRE_BURST_LEASES'] ?? 10_000);
 /** The test's own bound: generous for the full size, which spends minutes acquiring. */
 const TIMEOUT_MS = N > 20_000 ? 900_000 : 60_000;
 
-const children = new Set<ChildProcess>();
-afterEach(() => {
-  for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
-  children.clear();
-});
-
-function message<T>(child: ChildProcess, type: string): Promise<T> {
-  return new Promise((resolve, reject) => {
-    const onMessage = (m: { type?: string }): void => {
-      if (m?.type !== type) return;
-      cleanup();
-      resolve(m as T);
-    };
-    const onExit = (code: number | null, signal: string | null): void => {
-      cleanup();
-      reject(new Error(`child exited (${signal ?? code}) before sending ${type}`));
-    };
-    const cleanup = (): void => {
-      child.off('message', onMessage);
-      child.off('exit', onExit);
-    };
-    child.on('message', onMessage);
-    child.on('exit', onExit);
-  });
-}
+killChildrenAfterEach();
 
 async function startHolder(refuse: number): Promise<{ child: ChildProcess; address: string; counters(): Promise<{ counters: LockServerCounters; releaseManyCalls: number; refused: number }> }> {
-  const child = fork(fileURLToPath(new URL('./fixtures/burst-holder.mjs', import.meta.url)), ['burstholder', '600000', String(refuse)], {
-    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
-    execArgv: [],
-  });
-  children.add(child);
+  const child = forkFixture('burst-holder.mjs', ['burstholder', '600000', String(refuse)]);
   const { port } = await message<{ port: number }>(child, 'listening');
   return {
     child,

@@ -1,45 +1,13 @@
-import { fork, type ChildProcess } from 'node:child_process';
+import type { ChildProcess } from 'node:child_process';
 import { once } from 'node:events';
-import { fileURLToPath } from 'node:url';
-import { afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { LockClient } from '../src/index.js';
 import { LockServer, type LockServerCounters } from '../src/server/index.js';
+import { forkFixture, killChildrenAfterEach, message } from './children.js';
 import { waitFor } from './helpers.js';
 
-const children = new Set<ChildProcess>();
-afterEach(() => {
-  for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
-  children.clear();
-});
-
-function spawn(fixture: string, args: string[]): ChildProcess {
-  const child = fork(fileURLToPath(new URL(`./fixtures/${fixture}`, import.meta.url)), args, {
-    stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
-    execArgv: [],
-  });
-  children.add(child);
-  return child;
-}
-
-function message<T>(child: ChildProcess, type: string): Promise<T> {
-  return new Promise((resolve, reject) => {
-    const onMessage = (m: { type?: string }): void => {
-      if (m?.type !== type) return;
-      cleanup();
-      resolve(m as T);
-    };
-    const onExit = (code: number | null, signal: string | null): void => {
-      cleanup();
-      reject(new Error(`child exited (${signal ?? code}) before sending ${type}`));
-    };
-    const cleanup = (): void => {
-      child.off('message', onMessage);
-      child.off('exit', onExit);
-    };
-    child.on('message', onMessage);
-    child.on('exit', onExit);
-  });
-}
+killChildrenAfterEach();
+const spawn = forkFixture;
 
 async function kill(child: ChildProcess): Promise<void> {
   const exited = once(child, 'exit');

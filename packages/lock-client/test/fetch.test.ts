@@ -2,13 +2,12 @@
  * The fetch flow as a library: engineGrants (holder) and LockClient.fetch (requester), over
  * real TCP engines and a real lock service on loopback.
  */
-import { fork, type ChildProcess } from 'node:child_process';
 import { once } from 'node:events';
-import { fileURLToPath } from 'node:url';
-import { afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
 import { LockClient, decodeFetchDescriptor } from '../src/index.js';
 import { LockServer, engineGrants, type EngineGrants } from '../src/server/index.js';
+import { forkFixture, killChildrenAfterEach } from './children.js';
 import { waitFor } from './helpers.js';
 
 const BLOCK = 4096;
@@ -176,21 +175,13 @@ describe('fetch: lease + grant + read + release as one call', () => {
 });
 
 describe('fetch across processes', () => {
-  const children = new Set<ChildProcess>();
-  afterEach(() => {
-    for (const c of children) if (c.exitCode === null && c.signalCode === null) c.kill('SIGKILL');
-    children.clear();
-  });
+  killChildrenAfterEach();
 
   it('requesters SIGKILLed mid-fetch: the GC expires their leases and revokes each grant exactly once; counters balance', async () => {
     // Leases of 3 s: long enough for a fetch on a loaded machine, short enough for the GC to
     // expire the killed requesters' leases within the test.
     const h = await holder(256, 3000);
-    const kids = [0, 1, 2].map(() => {
-      const child = fork(fileURLToPath(new URL('./fixtures/fetcher.mjs', import.meta.url)), [h.address, '256', String(BLOCK)], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'], execArgv: [] });
-      children.add(child);
-      return child;
-    });
+    const kids = [0, 1, 2].map(() => forkFixture('fetcher.mjs', [h.address, '256', String(BLOCK)]));
     // Each child reports once it holds its lease; one that dies first fails the test at once.
     await Promise.all(
       kids.map((c) =>

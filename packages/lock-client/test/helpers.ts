@@ -1,5 +1,5 @@
 import { LockClient, type LockClientOptions } from '../src/index.js';
-import { LockServer, type LockServerOptions } from '../src/server/index.js';
+import { LeaseError, LeaseTable, LockServer, type LeaseTableOptions, type LockServerOptions } from '../src/server/index.js';
 
 /** Poll until `predicate` holds. Bounded by the test's own timeout, never asserted on time. */
 export async function waitFor(predicate: () => boolean, what = 'condition', stepMs = 10): Promise<void> {
@@ -42,4 +42,21 @@ export async function harness(serverOpts: Partial<LockServerOptions> = {}, clien
 
 export function expectBalanced(c: { acquired: number; released: number; expired: number; active: number }): boolean {
   return c.acquired === c.released + c.expired + c.active;
+}
+
+/** A lease table on a hand-driven clock (`clock.t` in ms), holder `h`, leases of 1 s unless told. */
+export function table(extra: Partial<LeaseTableOptions> = {}): { t: LeaseTable; clock: { now: () => number; t: number } } {
+  const clock = { t: 0, now: () => clock.t };
+  return { t: new LeaseTable({ holderId: 'h', lockTimeoutMs: 1000, clock, ...extra }), clock };
+}
+
+/** The `LeaseError` status `fn` throws, or `'OK'` when it returns. */
+export function statusOf(fn: () => unknown): string {
+  try {
+    fn();
+  } catch (e) {
+    if (e instanceof LeaseError) return e.status;
+    throw e;
+  }
+  return 'OK';
 }

@@ -1,20 +1,6 @@
 import { describe, expect, it } from 'vitest';
-import { LeaseError, LeaseTable, type LeaseTableOptions } from '../src/server/index.js';
-
-function table(extra: Partial<LeaseTableOptions> = {}): { t: LeaseTable; clock: { now: () => number; t: number } } {
-  const clock = { t: 0, now: () => clock.t };
-  return { t: new LeaseTable({ holderId: 'h', lockTimeoutMs: 1000, clock, ...extra }), clock };
-}
-
-function statusOf(fn: () => unknown): string {
-  try {
-    fn();
-  } catch (e) {
-    if (e instanceof LeaseError) return e.status;
-    throw e;
-  }
-  return 'OK';
-}
+import { LeaseError } from '../src/server/index.js';
+import { statusOf, table } from './helpers.js';
 
 describe('LeaseTable', () => {
   it('issues owner-namespaced, distinct session ids', () => {

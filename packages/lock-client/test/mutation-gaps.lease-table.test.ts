@@ -8,7 +8,8 @@
  */
 import type { Logger } from '@tensorwire/core';
 import { describe, expect, it } from 'vitest';
-import { LeaseError, LeaseTable, type LeaseEndReason, type LeaseTableOptions } from '../src/server/index.js';
+import { LeaseError, type LeaseEndReason, type LeaseTable } from '../src/server/index.js';
+import { statusOf, table } from './helpers.js';
 
 interface Logged {
   level: 'warn' | 'error';
@@ -25,21 +26,6 @@ function recordingLogger(): { logger: Logger; logged: Logged[] } {
     error: (message, fields) => logged.push({ level: 'error', message, fields }),
   };
   return { logger, logged };
-}
-
-function table(extra: Partial<LeaseTableOptions> = {}): { t: LeaseTable; clock: { now: () => number; t: number } } {
-  const clock = { t: 0, now: () => clock.t };
-  return { t: new LeaseTable({ holderId: 'h', lockTimeoutMs: 1000, clock, ...extra }), clock };
-}
-
-function statusOf(fn: () => unknown): string {
-  try {
-    fn();
-  } catch (e) {
-    if (e instanceof LeaseError) return e.status;
-    throw e;
-  }
-  return 'OK';
 }
 
 const blocks = (n: number, from = 0): string[] => Array.from({ length: n }, (_, i) => `block:h:${from + i}`);
