@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "copy_pool.h"
 #include "cuda.h"
 #include "layout.h"
 #include "shm.h"
@@ -531,6 +532,10 @@ class Addon : public Napi::Addon<Addon> {
   //   maxAttempts   retries of one slot's ranges that overlapped a write (0: default)
   //   generations   BigUint64Array, one per segment: the generation each seqlocked segment was
   //                 copied at (0 for others)
+  //   threads       optional, threads that copy (default 1: this thread only). A group of at
+  //                 least 1 MiB (a slot's ranges, or the ranges of other segments) is split by
+  //                 bytes over up to `threads` threads (>= 256 KiB each) of a persistent pool;
+  //                 every thread has ended before the batch leaves its grants.
   // Nothing from JS is trusted: every table entry and range (and the span it uses) is validated
   // against the real buffer and mapping lengths before any grant is entered or any byte moves.
   // Throws an error with `code` (TW_INVALID_INPUT, TW_REMOTE_REJECTED with `remoteCode`,
@@ -575,11 +580,21 @@ class Addon : public Napi::Addon<Addon> {
     double deadline = number(12, "deadlineMs");
     double attempts = number(13, "maxAttempts");
     Napi::TypedArray gens_js = typed(14, napi_biguint64_array, "BigUint64Array");
+    // Optional: threads that copy (1 = this thread only; large groups split by bytes).
+    double threads_d = info.Length() > 15 && !info[15].IsUndefined() ? number(15, "threads") : 1;
+    if (!(threads_d >= 1) || threads_d > CopyPool::kMaxThreads + 1 || threads_d != static_cast<double>(static_cast<uint32_t>(threads_d))) {
+      ThrowInvalid(env, "copyBatch: threads must be an integer from 1 to " + std::to_string(CopyPool::kMaxThreads + 1));
+    }
 
     BatchInput in;
     in.write = op == 1;
     in.deadline_ms = std::isfinite(deadline) && deadline > 0 ? deadline : 0;
     in.max_attempts = attempts >= 1 && attempts <= 1e9 ? static_cast<uint32_t>(attempts) : kDefaultBatchAttempts;
+    in.threads = static_cast<uint32_t>(threads_d);
+    if (in.threads > 1) {
+      if (!copy_pool_) copy_pool_ = std::make_unique<CopyPool>();
+      in.pool = copy_pool_.get();
+    }
 
     // First every element read (an element read may run a getter, which could detach or
     // replace a buffer), then, with no JS running any more, their pointers and lengths.
@@ -932,6 +947,8 @@ class Addon : public Napi::Addon<Addon> {
   std::vector<BatchRemote> remotes_;
   std::vector<BatchRange> ranges_;
   std::vector<uint32_t> order_;
+  // Copy threads for copyBatch's `threads` (started on first use, joined on teardown).
+  std::unique_ptr<CopyPool> copy_pool_;
 };
 
 }  // namespace

@@ -1,5 +1,7 @@
 #include "shm.h"
 
+#include "copy_pool.h"
+
 #include <fcntl.h>
 #include <sched.h>
 #include <sys/mman.h>
@@ -8,6 +10,7 @@
 #include <sys/vfs.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -680,7 +683,8 @@ inline double LoadOnce(const double* p) {
 
 // A non-negative safe integer (NaN, infinities, negatives and fractions fail).
 inline bool SafeInteger(double d) {
-  return d >= 0 && d <= kMaxSafeInteger && d == static_cast<double>(static_cast<uint64_t>(d));
+  // Below 2^53 the conversion to int64 is exact and one instruction (the unsigned one is not).
+  return d >= 0 && d <= kMaxSafeInteger && d == static_cast<double>(static_cast<int64_t>(d));
 }
 
 double RealtimeMs() {
@@ -696,22 +700,116 @@ bool Fail(BatchFailure* f, const char* code, const char* remote_code, std::strin
   return false;
 }
 
-inline void CopyRange(const BatchInput& in, const BatchRange& r) {
-  uint8_t* remote = in.segments[r.segment].base + r.remote_at;
-  uint8_t* local = in.locals[r.local].data + r.local_offset;
+inline void CopyPart(const BatchInput& in, const BatchRange& r, uint64_t from, uint64_t to) {
+  uint8_t* remote = in.segments[r.segment].base + r.remote_at + from;
+  uint8_t* local = in.locals[r.local].data + r.local_offset + from;
   if (in.write) {
-    std::memcpy(remote, local, static_cast<size_t>(r.length));
+    std::memcpy(remote, local, static_cast<size_t>(to - from));
   } else {
-    std::memcpy(local, remote, static_cast<size_t>(r.length));
+    std::memcpy(local, remote, static_cast<size_t>(to - from));
   }
+}
+inline void CopyRange(const BatchInput& in, const BatchRange& r) { CopyPart(in, r, 0, r.length); }
+
+// A group of a batch's ranges: in.ranges[idx[k]] for k < n, or in.ranges[k] when idx is null.
+struct Group {
+  const BatchInput* in;
+  const uint32_t* idx;
+  size_t n;
+  const BatchRange& at(size_t k) const { return in->ranges[idx != nullptr ? idx[k] : k]; }
+};
+
+// Where share t of a group starts: range k, byte off of it.
+struct Cut {
+  size_t k = 0;
+  uint64_t off = 0;
+};
+
+// A group copied by several threads: share t copies bytes [cuts[t], cuts[t + 1]) of the
+// group's ranges in order. With a seqlocked segment (gen != nullptr) every share re-checks
+// the generation after its copies (acquire fence, relaxed load) and clears `same` when it is
+// not `g1`, the value loaded (acquire) before any share started.
+struct ParallelCopy {
+  Group group;
+  Cut cuts[CopyPool::kMaxThreads + 2];
+  const uint64_t* gen = nullptr;
+  uint64_t g1 = 0;
+  std::atomic<bool> same{true};
+};
+
+void CopyShare(uint32_t t, void* ctx) {
+  ParallelCopy& pc = *static_cast<ParallelCopy*>(ctx);
+  const Cut a = pc.cuts[t];
+  const Cut b = pc.cuts[t + 1];
+  for (size_t k = a.k; k < pc.group.n && k <= b.k; k++) {
+    const BatchRange& r = pc.group.at(k);
+    uint64_t from = k == a.k ? a.off : 0;
+    uint64_t to = k == b.k ? b.off : r.length;
+    if (to > from) CopyPart(*pc.group.in, r, from, to);
+  }
+  if (pc.gen != nullptr) {
+    // The reader protocol's re-check, in the thread that made the copies.
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    if (__atomic_load_n(pc.gen, __ATOMIC_RELAXED) != pc.g1) pc.same.store(false, std::memory_order_relaxed);
+  }
+}
+
+// Shares for a group of `total` bytes (1: copy it on this thread).
+uint32_t SharesFor(const BatchInput& in, uint64_t total) {
+  if (in.threads <= 1 || in.pool == nullptr || total < kParallelMinBytes) return 1;
+  uint64_t by_size = total / kParallelShareBytes;
+  uint64_t n = in.threads < by_size ? in.threads : by_size;
+  if (n > CopyPool::kMaxThreads + 1) n = CopyPool::kMaxThreads + 1;
+  return n < 2 ? 1 : static_cast<uint32_t>(n);
+}
+
+// Copy a group on `shares` threads (>= 2). Returns false when the pool could not run it (the
+// caller copies inline); with `gen`, *same says whether every share saw the generation g1.
+bool CopyGroupParallel(const Group& g, uint64_t total, uint32_t shares, const uint64_t* gen, uint64_t g1, bool* same) {
+  ParallelCopy pc{g, {}, gen, g1, {}};
+  pc.same.store(true, std::memory_order_relaxed);
+  // Cut points by bytes, in one pass over the group.
+  pc.cuts[0] = Cut{0, 0};
+  uint64_t acc = 0;
+  size_t k = 0;
+  for (uint32_t t = 1; t < shares; t++) {
+    uint64_t target = total / shares * t;
+    while (k < g.n && acc + g.at(k).length <= target) acc += g.at(k++).length;
+    pc.cuts[t] = Cut{k, target - acc};
+  }
+  pc.cuts[shares] = Cut{g.n, 0};
+  if (!g.in->pool->Run(shares, CopyShare, &pc)) return false;
+  if (same != nullptr) *same = pc.same.load(std::memory_order_relaxed);
+  return true;
+}
+
+// Copy a group (no seqlock): split by bytes over the batch's threads when it is large.
+void CopyGroup(const Group& g) {
+  uint32_t shares = 1;
+  if (g.in->threads > 1) {
+    uint64_t total = 0;
+    for (size_t k = 0; k < g.n; k++) total += g.at(k).length;
+    shares = SharesFor(*g.in, total);
+    if (shares > 1 && CopyGroupParallel(g, total, shares, nullptr, 0, nullptr)) return;
+  }
+  for (size_t k = 0; k < g.n; k++) CopyRange(*g.in, g.at(k));
 }
 
 // The seqlock reader protocol (invariant 11) over every range of one segment at once: acquire
 // load of the generation, plain copies of all the ranges, acquire fence, relaxed re-load; a
 // changed generation drops the copies and repeats them all, so the ranges are one snapshot.
+// Copied by several threads (a large group), the load comes first, before any thread starts,
+// and every thread re-checks after its own copies: the snapshot holds only if all saw g1.
 bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_t n, uint64_t* generation_out,
                     BatchFailure* f) {
   const uint64_t* gen = AtomicAt<uint64_t>(in.segments[s].base, off::generation);
+  const Group group{&in, idx, n};
+  uint32_t shares = 1;
+  uint64_t total = 0;
+  if (in.threads > 1) {
+    for (size_t k = 0; k < n; k++) total += group.at(k).length;
+    shares = SharesFor(in, total);
+  }
   const bool has_deadline = in.deadline_ms > 0;
   const uint64_t started = MonotonicNs();
   uint64_t stuck_value = 0;
@@ -743,11 +841,16 @@ bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_
       CpuRelax(stuck_polls);
       continue;
     }
-    for (size_t k = 0; k < n; k++) CopyRange(in, in.ranges[idx[k]]);
-    // Acquire fence: the copies above complete before the re-check below.
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    uint64_t g2 = __atomic_load_n(gen, __ATOMIC_RELAXED);
-    if (g1 == g2) {
+    bool same = true;
+    if (shares > 1 && CopyGroupParallel(group, total, shares, gen, g1, &same)) {
+      // Every share re-checked the generation itself (CopyShare); the shares have all ended.
+    } else {
+      for (size_t k = 0; k < n; k++) CopyRange(in, group.at(k));
+      // Acquire fence: the copies above complete before the re-check below.
+      __atomic_thread_fence(__ATOMIC_ACQUIRE);
+      same = __atomic_load_n(gen, __ATOMIC_RELAXED) == g1;
+    }
+    if (same) {
       *generation_out = g1;
       return true;
     }
@@ -767,7 +870,7 @@ bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gener
     any_seq = any_seq || in.segments[s].seqlocked;
   }
   if (in.write || !any_seq) {
-    for (size_t i = 0; i < in.count; i++) CopyRange(in, in.ranges[i]);
+    CopyGroup(Group{&in, nullptr, in.count});
     return true;
   }
   // Group the ranges by segment (counting sort, stable): order[0..n_segments] are the start
@@ -787,7 +890,7 @@ bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gener
     size_t n = start[s + 1] - start[s];
     if (n == 0) continue;
     if (!in.segments[s].seqlocked) {
-      for (size_t k = 0; k < n; k++) CopyRange(in, in.ranges[first[k]]);
+      CopyGroup(Group{&in, first, n});
     } else if (!SeqCopySegment(in, static_cast<uint32_t>(s), first, n, &generations[s], f)) {
       f->segment = static_cast<int64_t>(s);
       return false;
@@ -815,24 +918,25 @@ bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchInpu
   const uint64_t ro = static_cast<uint64_t>(r[4]);
   const uint64_t len = static_cast<uint64_t>(r[5]);
   const uint64_t rr = static_cast<uint64_t>(r[6]);
-  const std::string which = "range " + std::to_string(i);
-  if (li >= in.n_locals) return Fail(f, kInvalidInput, "", which + ": local " + std::to_string(li) + " is not in the batch");
-  if (ri >= in.n_remotes) return Fail(f, kInvalidInput, "", which + ": remote " + std::to_string(ri) + " is not in the batch");
-  if (len == 0) return Fail(f, kInvalidInput, "", which + " is empty");
+  // The message names the range; built only on a failure (this runs once per range of a batch).
+  auto which = [i] { return "range " + std::to_string(i); };
+  if (li >= in.n_locals) return Fail(f, kInvalidInput, "", which() + ": local " + std::to_string(li) + " is not in the batch");
+  if (ri >= in.n_remotes) return Fail(f, kInvalidInput, "", which() + ": remote " + std::to_string(ri) + " is not in the batch");
+  if (len == 0) return Fail(f, kInvalidInput, "", which() + " is empty");
   const BatchRemote& remote = in.remotes[ri];
   if (rr >= remote.count) {
-    return Fail(f, kInvalidInput, "", which + ": remote range " + std::to_string(rr) + " does not exist (the remote has " + std::to_string(remote.count) + ")");
+    return Fail(f, kInvalidInput, "", which() + ": remote range " + std::to_string(rr) + " does not exist (the remote has " + std::to_string(remote.count) + ")");
   }
   const BatchLocal& local = in.locals[li];
   if (len > local.size || lo > local.size - len) {
-    return Fail(f, kInvalidInput, "", which + ": local bytes " + std::to_string(lo) + "+" + std::to_string(len) + " exceed the local buffer of " +
+    return Fail(f, kInvalidInput, "", which() + ": local bytes " + std::to_string(lo) + "+" + std::to_string(len) + " exceed the local buffer of " +
                                           std::to_string(local.size) + " bytes");
   }
   // The span of the granted range, read once (CheckBatchTables checked first + count <= n_spans).
   const double* sp = in.spans + (remote.first + rr) * kSpanFields;
   const double sd = LoadOnce(sp), bd = LoadOnce(sp + 1), ld = LoadOnce(sp + 2);
   if (!SafeInteger(sd) || !SafeInteger(bd) || !SafeInteger(ld) || sd >= static_cast<double>(in.n_segments)) {
-    return Fail(f, kInvalidInput, "", which + ": the span of remote range " + std::to_string(rr) + " is malformed or names a segment that is not in the batch");
+    return Fail(f, kInvalidInput, "", which() + ": the span of remote range " + std::to_string(rr) + " is malformed or names a segment that is not in the batch");
   }
   const BatchSegment& seg = in.segments[static_cast<size_t>(sd)];
   const uint64_t base = static_cast<uint64_t>(bd);
@@ -840,15 +944,15 @@ bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchInpu
   // The granted bytes lie in the segment's data area, never in its header, and inside the
   // mapping (whose size came from fstat).
   if (seg.base == nullptr || base < kDataOffset || base > seg.size || limit > seg.size - base) {
-    return Fail(f, kInvalidInput, "", which + ": granted bytes " + std::to_string(base) + "+" + std::to_string(limit) +
+    return Fail(f, kInvalidInput, "", which() + ": granted bytes " + std::to_string(base) + "+" + std::to_string(limit) +
                                           " lie outside the data of their segment (" + std::to_string(seg.size) + " bytes)");
   }
   if (len > limit || ro > limit - len) {
-    return Fail(f, kRemoteRejected, "bounds", which + ": remote bytes " + std::to_string(ro) + "+" + std::to_string(len) + " exceed the granted range of " +
+    return Fail(f, kRemoteRejected, "bounds", which() + ": remote bytes " + std::to_string(ro) + "+" + std::to_string(len) + " exceed the granted range of " +
                                                   std::to_string(limit) + " bytes");
   }
   if (in.write && seg.seqlocked) {
-    return Fail(f, kRemoteRejected, "read-only", which + ": the remote is a pool slot; peers may read it, only its owner writes it");
+    return Fail(f, kRemoteRejected, "read-only", which() + ": the remote is a pool slot; peers may read it, only its owner writes it");
   }
   out->local = static_cast<uint32_t>(li);
   out->local_offset = lo;

@@ -135,7 +135,10 @@ export interface NativeAddon {
    * slot's ranges as one seqlock snapshot (retried at most `maxAttempts` times, bounded by
    * `deadlineMs`), writing its generation to `generations`. Errors carry `details.range`,
    * `details.grant` or `details.segment` (indices) where they are about one, and
-   * `details.remoteCode` for RemoteRejectedError.
+   * `details.remoteCode` for RemoteRejectedError. `threads` (default 1) copies a group of at
+   * least 1 MiB (a slot's ranges, or other segments' ranges) on up to that many threads (a
+   * persistent pool; >= 256 KiB each), the seqlock still checked once per slot per batch by
+   * every thread; all have ended before the call returns.
    */
   copyBatch(
     op: 0 | 1,
@@ -153,6 +156,7 @@ export interface NativeAddon {
     deadlineMs: number,
     maxAttempts: number,
     generations: BigUint64Array,
+    threads?: number,
   ): void;
   setState(segment: ArrayBuffer, state: number): void;
   loadState(segment: ArrayBuffer): number;
@@ -278,10 +282,11 @@ function copyBatch(
   deadlineMs: number,
   maxAttempts: number,
   generations: BigUint64Array,
+  threads = 1,
 ): void {
   const a = loaded?.addon ?? addon();
   try {
-    a.copyBatch(op, ranges, count, stride, locals, remotes, spans, segments, segmentFlags, grants, grantInfo, tokens, deadlineMs, maxAttempts, generations);
+    a.copyBatch(op, ranges, count, stride, locals, remotes, spans, segments, segmentFlags, grants, grantInfo, tokens, deadlineMs, maxAttempts, generations, threads);
   } catch (e) {
     throw toTypedError(e);
   }

@@ -144,6 +144,18 @@ export interface CudaIpcTransportOptions {
    */
   readonly grantTable?: { readonly records?: number; readonly segments?: number; readonly rangeBytes?: number; readonly maxTables?: number };
   /**
+   * Threads that copy the bytes of a host batch (default 1: the calling thread only). With
+   * more, the bytes of a batch's group of ranges (those of one pool slot, or those of its other
+   * segments) are split over up to this many threads (a small persistent native pool; the
+   * caller is one of them) when the group holds at least 1 MiB, at least 256 KiB per thread;
+   * smaller groups are copied on the calling thread. Integer 1 to 16. Every guarantee of a
+   * batch holds whatever the count: all-or-nothing validation before any byte moves, each
+   * grant entered once and left only after every thread has ended (no byte after revoke), one
+   * seqlock generation check per pool slot per batch (loaded once before the threads start,
+   * re-checked by each of them after its copies), the deadline.
+   */
+  readonly copyThreads?: number;
+  /**
    * Bounds on what peers can make this transport hold on its control channel (invariant 16).
    * Past each, the peer's new connection is refused (or the offending socket closed) with a
    * logged reason, counted in {@link CudaIpcTransport.peerEvents}; other peers are unaffected.
@@ -416,6 +428,9 @@ const SPAN_STRIDE = 3;
  * the transfer's deadline, 10 s in all, 2 s on one write in progress.
  */
 const SLOT_ATTEMPTS = 10_000;
+/** Bounds of {@link CudaIpcTransportOptions.copyThreads} (the addon's pool: the caller + 15). */
+const MAX_COPY_THREADS = 16;
+const DEFAULT_COPY_THREADS = 1;
 /** How often (ms) a connection confirms that the peer's pid is still the same process. */
 const PID_RECHECK_MS = 250;
 /** RemoteRejectedError codes about the request itself, never caused by a peer going away. */
@@ -951,6 +966,7 @@ class CudaIpcConnection implements TransportConnection {
         options.deadline,
         SLOT_ATTEMPTS,
         plan.generations,
+        this.#owner.copyThreads,
       );
     } catch (e) {
       throw this.#batchError(e, batch, plan);
@@ -1288,6 +1304,8 @@ export class CudaIpcTransport implements Transport {
   readonly #tables: GrantTable[] = [];
   readonly #tableGeometry: TableGeometry;
   readonly #maxTables: number;
+  /** Threads that copy a host batch's bytes ({@link CudaIpcTransportOptions.copyThreads}). */
+  readonly copyThreads: number;
   /** Live range grants (not yet revoked), and revocations still draining. */
   readonly #rangeGrants = new Set<RangeGrant>();
   readonly #draining = new Set<Promise<void>>();
@@ -1306,6 +1324,10 @@ export class CudaIpcTransport implements Transport {
     this.#tableGeometry = { records: gt.records ?? 4096, dir: gt.segments ?? 4096, arena: gt.rangeBytes ?? 4 * 2 ** 20 };
     checkGeometry(this.#tableGeometry, 'grantTable');
     this.#maxTables = gt.maxTables ?? 8;
+    this.copyThreads = options.copyThreads ?? DEFAULT_COPY_THREADS;
+    if (!Number.isSafeInteger(this.copyThreads) || this.copyThreads < 1 || this.copyThreads > MAX_COPY_THREADS) {
+      throw new InvalidInputError(`copyThreads must be an integer from 1 to ${MAX_COPY_THREADS}`, { details: { field: 'copyThreads' } });
+    }
     const lim = options.limits ?? {};
     this.#handshakeTimeoutMs = limit('handshakeTimeoutMs', lim.handshakeTimeoutMs, 10_000, 3_600_000);
     this.#maxPendingHandshakes = limit('maxPendingHandshakes', lim.maxPendingHandshakes, 64, 1 << 20);
