@@ -173,10 +173,20 @@ export function program(): Command {
   p.addOption(new Option('--debug', 'print stack traces on errors').hideHelp());
   withGlobals(p.command('run', { isDefault: true }).description('the remote-fetch flow end to end: holder process (pool, lock service, transports) and requester process'))
     .option('--duration <seconds>', 'how long the requester fetches (default 10, 1.5 with --quick)')
+    .option('--blocks <n>', 'blocks in the holder\'s pool (default 64, 16 with --quick); the block size is the first of --sizes (default 1 MiB, 64 KiB with --quick)')
+    .option('--per-fetch <n>', 'blocks per fetch (default 8, 4 with --quick)')
+    .option('--lanes <n>', 'fetches in flight at once in the requester (default 2)')
+    .option('--rounds <n>', 'rounds per lane; the same-host and tcp lanes alternate (default 2, 1 with --quick)')
     .addOption(transportOption())
-    .action((opts: GlobalOptions & { duration?: string; transport: TransportChoice }) => {
+    .action((opts: GlobalOptions & { duration?: string; transport: TransportChoice; blocks?: string; perFetch?: string; lanes?: string; rounds?: string }) => {
       const durationMs = opts.duration === undefined ? undefined : positive(opts.duration, '--duration', 10) * 1000;
-      return execute('run', [(ctx) => runScenario(ctx, runSettings(ctx, durationMs, opts.transport))], opts);
+      const [blocks, perFetch, lanes, rounds] = [whole(opts.blocks, '--blocks'), whole(opts.perFetch, '--per-fetch'), whole(opts.lanes, '--lanes'), whole(opts.rounds, '--rounds')];
+      return execute('run', [(ctx) => {
+        const base = runSettings(ctx, durationMs, opts.transport);
+        const s = { ...base, ...(blocks ? { blocks } : {}), ...(perFetch ? { blocksPerFetch: perFetch } : {}), ...(lanes ? { lanes } : {}), ...(rounds ? { rounds } : {}) };
+        if (s.blocksPerFetch > s.blocks) throw new BenchError(`--per-fetch ${s.blocksPerFetch} is more than the pool's ${s.blocks} blocks`);
+        return runScenario(ctx, s);
+      }], opts);
     });
   withGlobals(p.command('kv').description('KV-cache shaped fetches: layers × blocks scattered descriptors, same-host and TCP, prepared and not, vs memcpy and a raw stream'))
     .option('--layers <n>', 'layers per fetch (default 32, 4 with --quick)')

@@ -70,19 +70,37 @@ export async function iperf3(blockBytes: number, bytes: number): Promise<Externa
   });
 }
 
-/** ucx_perftest ucp_get (one-sided READ) over UCX's tcp and posix shared-memory transports. */
-export async function ucxPerftest(blockBytes: number, iterations: number): Promise<ExternalOutcome> {
+/** The UCX transports `ucxPerftest` can run over. */
+export type UcxTransport = 'tcp' | 'posix';
+
+/** Display names of the UCX rows, by transport. */
+export const UCX_NAMES: Record<UcxTransport, string> = { tcp: 'UCX ucp_get over tcp', posix: 'UCX ucp_get over posix shm' };
+
+/** Warm-up iterations `ucxPerftest` asks for (`-w`), for callers that measure the same shape. */
+export function ucxWarmup(iterations: number): number {
+  return Math.max(2, Math.floor(iterations / 10));
+}
+
+/**
+ * ucx_perftest ucp_get (one-sided READ) over UCX's tcp and posix shared-memory transports
+ * (`only` picks some). How ucx_perftest measures it (UCX 1.13, src/tools/perf/lib/ucp_tests.cc,
+ * run_stream_uni): the client posts `ucp_get_nbx` of `blockBytes` from the same remote address
+ * into the same local buffer `iterations` times; ucp_get's window (`-O`, max outstanding) is 1
+ * by default, so each get waits for the one before; the figure is the overall bandwidth
+ * (MB = 2^20) over the timed iterations, after `-w` warm-up iterations. `-O 1` is passed
+ * explicitly so the shape is pinned.
+ */
+export async function ucxPerftest(blockBytes: number, iterations: number, only: readonly UcxTransport[] = ['tcp', 'posix']): Promise<ExternalOutcome> {
   if (!installed('ucx_perftest')) return { measurements: [], notes: ['ucx_perftest is not installed (Debian: ucx-utils); no UCX figures'] };
   const measurements: Measurement[] = [];
   const notes: string[] = [];
-  for (const [tls, label] of [
-    ['tcp', 'UCX ucp_get over tcp'],
-    ['posix,self', 'UCX ucp_get over posix shm'],
-  ] as const) {
+  for (const t of only) {
+    const tls = t === 'tcp' ? 'tcp' : 'posix,self';
+    const label = UCX_NAMES[t];
     const port = await freePort();
     const env = { UCX_TLS: tls };
     const r = await withServer('ucx_perftest', ['-p', String(port)], env, () =>
-      run('ucx_perftest', ['127.0.0.1', '-p', String(port), '-t', 'ucp_get', '-s', String(blockBytes), '-n', String(iterations), '-w', String(Math.max(2, Math.floor(iterations / 10)))], env, 90_000),
+      run('ucx_perftest', ['127.0.0.1', '-p', String(port), '-t', 'ucp_get', '-s', String(blockBytes), '-n', String(iterations), '-w', String(ucxWarmup(iterations)), '-O', '1'], env, 90_000),
     );
     const final = r.stdout.split('\n').find((l) => l.trim().startsWith('Final:'));
     const nums = final?.trim().split(/\s+/).slice(1).map(Number);
@@ -92,7 +110,7 @@ export async function ucxPerftest(blockBytes: number, iterations: number): Promi
       notes.push(`${label}: no result (${(r.stderr || r.stdout).trim().split('\n').pop() ?? 'no output'})`);
       continue;
     }
-    measurements.push({ name: label, role: 'external', blockBytes, totalBytes: blockBytes * iterations, gbps: (mbps * 1048576) / 1e9, extra: { p50LatencyUs: nums?.[1] ?? 0 } });
+    measurements.push({ name: label, role: 'external', blockBytes, totalBytes: blockBytes * iterations, gbps: (mbps * 1048576) / 1e9, extra: { p50LatencyUs: nums?.[1] ?? 0, iterations, window: 1 } });
   }
   return { measurements, notes };
 }

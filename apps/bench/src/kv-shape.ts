@@ -82,6 +82,16 @@ export function scatter(s: KvShape, regionBytes: number, random: () => number): 
   return out;
 }
 
+/**
+ * Layers of the unsorted grant-cost lease of `n` ranges (layers × n/layers blocks): 40 (a
+ * Llama-2-13B's layer count) where it divides n into at least 5 blocks a layer, else 32, 10, 5,
+ * 2 or 1, the first that does (1 when none does).
+ */
+export function grantLayers(n: number): number {
+  for (const l of [40, 32, 10, 5, 2]) if (n % l === 0 && n / l >= 5) return l;
+  return 1;
+}
+
 /** Index of the first descriptor that continues the one before it in the region (mergeable), or -1. */
 export function firstAdjacent(offsets: Float64Array, blockBytes: number): number {
   for (let i = 1; i < offsets.length; i++) if ((offsets[i - 1] as number) + blockBytes === offsets[i]) return i;
@@ -119,4 +129,25 @@ export interface KvMethodResult {
   readonly prepareMs?: number;
   /** Ranges of the prepared transfer after the engine merged adjacent requests. */
   readonly ranges?: number;
+}
+
+/**
+ * The shape `ucx_perftest -t ucp_get` measures (see external.ts): one block of the message size
+ * re-read from one remote offset into the same local buffer (offset 0 of the requester's
+ * registered destination), one post at a time (window 1), `iterations` timed posts after
+ * `warmup` untimed ones. `same-host-reread` / `tcp-reread`: one prepared transfer of that one
+ * request, `run()` per post; `memcpy-shm-reread`: Buffer.copy of the same block out of a shared
+ * segment (the same-host transport's source memory kind), for context.
+ */
+export type KvRereadMethod = 'same-host-reread' | 'tcp-reread' | 'memcpy-shm-reread';
+
+export interface KvRereadResult {
+  readonly method: KvRereadMethod;
+  /** Wall time of the timed loop (every post, one after the other). */
+  readonly ms: number;
+  readonly iterations: number;
+  readonly bytes: number;
+  /** Posts whose first or last byte was not rewritten, plus 1 if the final full compare failed. */
+  readonly failures: number;
+  readonly transport?: string;
 }

@@ -1,6 +1,6 @@
 import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
-import { bytesOf, descriptorsOf, firstAdjacent, regionNeeded, rng, scatter, slotsPerLayer } from '../src/kv-shape.js';
+import { bytesOf, descriptorsOf, firstAdjacent, grantLayers, regionNeeded, rng, scatter, slotsPerLayer } from '../src/kv-shape.js';
 import { kvSettings } from '../src/scenarios/kv.js';
 import type { ScenarioContext } from '../src/types.js';
 
@@ -79,5 +79,33 @@ describe('kv settings', () => {
     expect(s.regionBytes).toBeLessThanOrEqual(16 * 1024 * 1024);
     expect(s.rounds).toBe(1);
     for (const c of s.configs) expect(bytesOf(c)).toBeLessThanOrEqual(4 * 1024 * 1024);
+  });
+});
+
+describe('unsorted grant-cost leases', () => {
+  it('split N ranges into layers × blocks exactly (at least 5 blocks a layer unless 1 layer), as the holder asks scatter for', () => {
+    expect([10, 1000, 10_000].map(grantLayers)).toEqual([2, 40, 40]);
+    fc.assert(
+      fc.property(fc.integer({ min: 1, max: 100_000 }), (n) => {
+        const l = grantLayers(n);
+        expect(Number.isInteger(n / l)).toBe(true);
+        if (l > 1) expect(n / l).toBeGreaterThanOrEqual(5);
+      }),
+    );
+  });
+
+  it('give the holder offsets out of order within a layer, in the region the default and --quick runs use', () => {
+    for (const [n, region] of [
+      [1000, 16 * 1024 * 1024],
+      [10_000, 256 * 1024 * 1024],
+    ] as const) {
+      const l = grantLayers(n);
+      const offsets = scatter({ blockBytes: 4096, layers: l, blocks: n / l }, region, rng(0x9e3779b9 ^ n));
+      expect(offsets.length).toBe(n);
+      let descents = 0;
+      for (let i = 1; i < n; i++) if ((offsets[i] as number) < (offsets[i - 1] as number)) descents++;
+      expect(descents).toBeGreaterThan(0);
+      expect(new Set(offsets).size).toBe(n);
+    }
   });
 });

@@ -12,8 +12,8 @@ interface Out {
     skipped?: string;
     verificationFailures: number;
     counters?: Record<string, number>;
-    measurements: { role: string; name: string; transport?: string; blockBytes?: number; descriptors?: number; gbps?: number; descriptorsPerSec?: number }[];
-    ratios: { name: string; goal?: number; pass?: boolean; value: number }[];
+    measurements: { role: string; name: string; transport?: string; blockBytes?: number; descriptors?: number; gbps?: number; descriptorsPerSec?: number; totalBytes?: number; latency?: { count: number; p50Ms: number }; extra?: Record<string, unknown> }[];
+    ratios: { name: string; subject: string; baseline: string; goal?: number; pass?: boolean; value: number }[];
     notes: string[];
   }[];
 }
@@ -40,6 +40,26 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(run.notes.some((n) => n.startsWith(`transport chosen: ${want} — `))).toBe(true);
     expect(run.measurements.find((m) => m.role === 'subject' && m.transport !== undefined)?.transport).toBe(want);
     expect(run.measurements.map((m) => m.name)).toEqual(expect.arrayContaining(['raw node:net stream', 'memcpy (Buffer.copy)']));
+    // Every lane's fetches are broken down into stages, one sample per fetch in each.
+    const lanes = sameHost ? ['', ', --transport tcp lane of the same run'] : [''];
+    for (const suffix of lanes) {
+      const flow = run.measurements.find((m) => m.name === `leased fetch via client.fetch (lease + range grant + read + release; verification outside the timed part)${suffix}`);
+      const wall = run.measurements.find((m) => m.name === `leased fetch via client.fetch (lease + range grant + read + verify + release, wall clock)${suffix}`);
+      expect(flow?.gbps, suffix).toBeGreaterThan(0);
+      expect(wall?.gbps, suffix).toBeGreaterThan(0);
+      const fetches = flow?.latency?.count ?? 0;
+      expect(fetches).toBeGreaterThan(0);
+      for (const stage of ['acquire', 'read', 'verify', 'release']) {
+        const row = run.measurements.find((m) => m.name.startsWith(`stage ${stage}: `) && m.name.endsWith(suffix) && (suffix !== '' || !m.name.includes('--transport tcp')));
+        expect(row?.latency?.count, `${stage}${suffix}`).toBe(fetches);
+      }
+    }
+    if (sameHost) {
+      const goal = run.ratios.filter((r) => r.goal === 5);
+      expect(goal.map((r) => r.name)).toEqual(['same-host fetch/tcp fetch (same run; lease + grant + read + release, verification outside the timed part)']);
+      expect(run.ratios.some((r) => r.name === 'same-host fetch/tcp fetch (same run; wall clock with verification)')).toBe(true);
+      expect(run.notes.some((n) => n.startsWith('stage medians per fetch (ms), same-host: acquire '))).toBe(true);
+    }
   });
 
   it('run --transport tcp: the requester registers only TCP and the engine says why it is the one', async () => {
@@ -75,13 +95,54 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
       expect(kv.measurements.filter((m) => m.name === b && m.role === 'baseline').length, b).toBeGreaterThan(0);
     }
     // Grant cost rows: engine.grant over N ranges, against per-block registration.
-    expect(kv.measurements.filter((m) => /^engine\.grant over \d+ ranges/.test(m.name)).length).toBeGreaterThanOrEqual(2);
+    const sorted = kv.measurements.filter((m) => /^engine\.grant over \d+ ranges \(4 KiB each, sorted by offset\)$/.test(m.name));
+    const unsorted = kv.measurements.filter((m) => /^engine\.grant over \d+ ranges \(4 KiB each, unsorted: \d+ layers × \d+ random blocks, layer-major\)$/.test(m.name));
+    expect(sorted.map((m) => m.extra?.['ranges'])).toEqual([10, 1000]);
+    expect(unsorted.map((m) => m.extra?.['ranges'])).toEqual([10, 1000]);
+    // The flatness ratio (the one with the goal at 10,000) is computed from the sorted rows.
+    const flat = kv.ratios.find((r) => r.name.startsWith('grant cost flatness: '));
+    expect(flat?.subject).toBe(sorted[1]?.name);
+    expect(flat?.baseline).toBe(sorted[0]?.name);
+    expect(kv.ratios.find((r) => r.name.startsWith('grant cost flatness, unsorted: '))?.subject).toBe(unsorted[1]?.name);
     expect(kv.measurements.some((m) => m.name.startsWith('engine.register per 4 KiB block') && m.role === 'baseline')).toBe(true);
     // Ratio rows with the issue's goals: 4 KiB, 64 KiB and the plain 1 × 4 MiB read.
     const goals = kv.ratios.filter((r) => r.goal !== undefined).map((r) => r.name);
     expect(goals).toEqual(expect.arrayContaining(['tcp prepared/raw @ 4 KiB × 32', 'tcp prepared/raw @ 64 KiB × 32', 'tcp prepared/raw @ 4 MiB × 1']));
     if (sameHost) expect(goals).toEqual(expect.arrayContaining(['same-host prepared/memcpy @ 4 KiB × 32', 'same-host prepared/memcpy @ 64 KiB × 32', 'same-host prepared/memcpy @ 4 MiB × 1']));
     if (sameHost) expect(kv.notes.some((n) => /^same-host engine \(cuda-ipc, tcp\): transport chosen: cuda-ipc — /.test(n))).toBe(true);
+  });
+
+  it('kv --compare: our transports measured the way ucx_perftest measures (one block re-read, window 1), beside the UCX rows and the scattered ratios', async () => {
+    const out = await quick('kv', ['--compare', '--sizes', '4KiB', '--batches', '32']);
+    const kv = out.results[0]!;
+    expect(kv.verificationFailures).toBe(0);
+    const transports = sameHost ? ['cuda-ipc', 'tcp'] : ['tcp'];
+    for (const size of [4096, 4 * 1024 * 1024]) {
+      for (const t of transports) {
+        const row = kv.measurements.find((m) => m.name === `${t}: engine.prepare + run(), one block re-read, window 1 (ucx_perftest ucp_get shape)` && m.blockBytes === size);
+        expect(row?.transport, `${t} @ ${size}`).toBe(t);
+        expect(row?.descriptors).toBe(1);
+        expect(row?.gbps).toBeGreaterThan(0);
+        // The same total bytes as the UCX run at this size: iterations × size.
+        expect(row?.totalBytes).toBe(Number(row?.extra?.['iterations']) * size);
+        expect(row?.extra?.['window']).toBe(1);
+      }
+      const ucx = kv.measurements.filter((m) => m.role === 'external' && m.blockBytes === size);
+      if (ucx.length === 0) {
+        expect(kv.notes.some((n) => /ucx_perftest is not installed|UCX ucp_get over .*: no result/.test(n))).toBe(true);
+        continue;
+      }
+      for (const m of ucx) {
+        const lane = /over tcp/.test(m.name) ? 'tcp' : 'same-host';
+        if (lane === 'same-host' && !sameHost) continue;
+        expect(m.totalBytes).toBe(Number(m.extra?.['iterations']) * size);
+        const same = kv.ratios.find((r) => r.name === `${lane} re-read/${m.name} @ ${size === 4096 ? '4 KiB' : '4 MiB'} (same shape: one block re-read, window 1)`);
+        const scattered = kv.ratios.find((r) => r.name === `${lane} prepared/${m.name} @ ${size === 4096 ? '4 KiB' : '4 MiB'}`);
+        expect(same?.value, m.name).toBeGreaterThan(0);
+        expect(scattered?.value, m.name).toBeGreaterThan(0);
+        expect(same?.goal).toBe(lane === 'tcp' ? 3 : size === 4096 ? undefined : 1);
+      }
+    }
   });
 
   it('kv --transport tcp: only TCP rows', async () => {
@@ -171,6 +232,8 @@ describe('bench error paths', () => {
       ['fetch', '--holder', 'nope'],
       ['fetch', '--holder', '127.0.0.1:99999'],
       ['run', '--duration', '-3'],
+      ['run', '--blocks', '4', '--per-fetch', '8'],
+      ['run', '--lanes', '0'],
       ['holder', '--blocks', 'many'],
     ]) {
       const r = await runCli(args);

@@ -12,8 +12,8 @@
  * `ucp_get` at the same message sizes over UCX `posix` and `tcp`.
  */
 import { spawnWorker } from '../proc.js';
-import { ucxPerftest } from '../external.js';
-import { bytesOf, descriptorsOf, regionNeeded, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
+import { UCX_NAMES, ucxPerftest, ucxWarmup, type UcxTransport } from '../external.js';
+import { bytesOf, descriptorsOf, regionNeeded, rng, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
 import { gbps, median, summarize } from '../stats.js';
 import { sameHostUnavailable, type TransportChoice } from '../transports.js';
 import { BenchError, type Measurement, type Ratio, type ScenarioContext, type ScenarioResult } from '../types.js';
@@ -98,6 +98,12 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   raw: () => 'raw node:net stream (same byte count)',
   memcpy: () => 'memcpy (Buffer.copy per descriptor, JS loop)',
   'memcpy-shm': () => 'memcpy out of a shared segment (Buffer.copy per descriptor, JS loop)',
+};
+
+const REREAD_NAMES: Record<KvRereadMethod, (transport: string) => string> = {
+  'same-host-reread': (t) => `${t}: engine.prepare + run(), one block re-read, window 1 (ucx_perftest ucp_get shape)`,
+  'tcp-reread': (t) => `${t}: engine.prepare + run(), one block re-read, window 1 (ucx_perftest ucp_get shape)`,
+  'memcpy-shm-reread': () => 'memcpy of one block re-read out of a shared segment, window 1 (ucx_perftest ucp_get shape)',
 };
 
 /** Goals from the issue, by ratio kind and shape. */
@@ -237,10 +243,14 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     // Grant cost against the number of ranges (register once, grant per lease), and the old way.
     const GRANT_SIZES = ctx.quick ? [10, 1000] : [10, 1000, 10_000];
     holder.send({ type: 'grant-cost', blockBytes: 4 * KiB, ranges: GRANT_SIZES, registerBlocks: ctx.quick ? 100 : 1000 });
-    const gc = await holder.next<{ rows?: { ranges: number; grantUs: number; revokeUs: number }[]; perBlock?: { grantUs: number; revokeUs: number }; error?: string }>((m) => m['type'] === 'grant-cost', ctx.signal);
-    if (gc.error || !gc.rows || !gc.perBlock) throw new BenchError(`kv grant cost failed: ${gc.error ?? 'no result'}`);
-    for (const row of gc.rows) {
-      measurements.push({ name: `engine.grant over ${row.ranges} ranges (4 KiB each)`, role: 'subject', opsPerSec: 1e6 / row.grantUs, extra: { grantUs: row.grantUs, revokeUs: row.revokeUs, revokesPerSec: 1e6 / row.revokeUs, ranges: row.ranges } });
+    const gc = await holder.next<{ rows?: { ranges: number; grantUs: number; revokeUs: number }[]; unsorted?: { ranges: number; layers: number; grantUs: number; revokeUs: number }[]; perBlock?: { grantUs: number; revokeUs: number }; error?: string }>((m) => m['type'] === 'grant-cost', ctx.signal);
+    if (gc.error || !gc.rows || !gc.unsorted || !gc.perBlock) throw new BenchError(`kv grant cost failed: ${gc.error ?? 'no result'}`);
+    const sortedName = (n: number): string => `engine.grant over ${n} ranges (4 KiB each, sorted by offset)`;
+    const unsortedName = (n: number, layers: number): string => `engine.grant over ${n} ranges (4 KiB each, unsorted: ${layers} layers × ${n / layers} random blocks, layer-major)`;
+    for (const [k, row] of gc.rows.entries()) {
+      measurements.push({ name: sortedName(row.ranges), role: 'subject', opsPerSec: 1e6 / row.grantUs, extra: { grantUs: row.grantUs, revokeUs: row.revokeUs, revokesPerSec: 1e6 / row.revokeUs, ranges: row.ranges, order: 'sorted' } });
+      const u = gc.unsorted[k];
+      if (u) measurements.push({ name: unsortedName(u.ranges, u.layers), role: 'subject', opsPerSec: 1e6 / u.grantUs, extra: { grantUs: u.grantUs, revokeUs: u.revokeUs, revokesPerSec: 1e6 / u.revokeUs, ranges: u.ranges, layers: u.layers, order: 'layer-major random' } });
     }
     measurements.push({
       name: 'engine.register per 4 KiB block (the way before range grants)',
@@ -251,15 +261,29 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const small = gc.rows[0] as { ranges: number; grantUs: number };
     const large = gc.rows[gc.rows.length - 1] as { ranges: number; grantUs: number };
     ratios.push({
-      name: `grant cost flatness: time of a grant over ${small.ranges} ranges / over ${large.ranges} ranges`,
-      subject: `engine.grant over ${large.ranges} ranges (4 KiB each)`,
-      baseline: `engine.grant over ${small.ranges} ranges (4 KiB each)`,
+      name: `grant cost flatness: time of a grant over ${small.ranges} ranges / over ${large.ranges} ranges (sorted rows)`,
+      subject: sortedName(large.ranges),
+      baseline: sortedName(small.ranges),
       value: small.grantUs / large.grantUs,
       ...(large.ranges >= 10_000 ? { goal: 0.5, pass: small.grantUs / large.grantUs >= 0.5 } : {}),
     });
+    const us = gc.unsorted[0] as { ranges: number; layers: number; grantUs: number };
+    const ul = gc.unsorted[gc.unsorted.length - 1] as { ranges: number; layers: number; grantUs: number };
+    ratios.push({
+      name: `grant cost flatness, unsorted: time of a grant over ${us.ranges} ranges / over ${ul.ranges} ranges (layer-major random rows)`,
+      subject: unsortedName(ul.ranges, ul.layers),
+      baseline: unsortedName(us.ranges, us.layers),
+      value: us.grantUs / ul.grantUs,
+    });
+    ratios.push({
+      name: `grant over ${ul.ranges} ranges: sorted / unsorted time (what the order of a real lease costs)`,
+      subject: unsortedName(ul.ranges, ul.layers),
+      baseline: sortedName(large.ranges),
+      value: large.grantUs / ul.grantUs,
+    });
     ratios.push({
       name: `a grant over ${large.ranges} blocks against ${large.ranges} per-block registrations`,
-      subject: `engine.grant over ${large.ranges} ranges (4 KiB each)`,
+      subject: sortedName(large.ranges),
       baseline: 'engine.register per 4 KiB block (the way before range grants)',
       value: (gc.perBlock.grantUs * large.ranges) / large.grantUs,
     });
@@ -272,7 +296,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       `each method, per shape and round: 1 untimed warm-up fetch, then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
       'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s ranges with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead',
-      'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs; against engine.register of each 4 KiB block separately (what a lease cost before range grants)',
+      'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs, for two orders of the same kind of lease: sorted (stride 7919 blocks, in offset order) and unsorted (the order of a real lease\'s blocks: layer-major, the same random block ids in every layer, as the kv fetches; offsets rise only across layers); against engine.register of each 4 KiB block separately (what a lease cost before range grants). The flatness ratio with the goal (0.5 at 10,000) and the per-block comparison are computed from the sorted rows, as before; the unsorted rows have their own flatness ratio and a sorted/unsorted ratio, without goals',
       'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
       'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call)',
       'memcpy-shm baseline: the same loop, out of a shared segment of the requester filled with the same pattern: what the same-host transport copies from (shared segments get no transparent huge pages on this kernel, process heap can)',
@@ -283,23 +307,107 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
 
     if (s.compare) {
       const sizes = [...new Set(s.configs.filter((c) => c.sweep !== 'batch').map((c) => c.blockBytes))];
-      for (const size of sizes) {
-        const ucx = await ucxPerftest(size, Math.min(4000, Math.max(ctx.quick ? 20 : 100, Math.floor((ctx.quick ? 8 * MiB : 128 * MiB) / size))));
-        notes.push(...ucx.notes.map((n) => `${formatBytes(size)}: ${n}`));
-        measurements.push(...ucx.measurements);
-        const ci = s.configs.findIndex((c) => c.blockBytes === size && c.sweep !== 'batch');
-        const c = s.configs[ci] as KvConfig;
-        for (const m of ucx.measurements) {
-          const tcp = /over tcp/.test(m.name);
-          const lane = tcp ? 'tcp' : 'same-host';
-          if (!hello.lanes.includes(lane)) continue;
-          const ours = gbpsOf.get(`${ci}/${lane}-prepared`) as number;
-          const value = ours / (m.gbps as number);
-          const g = tcp ? 3 : size === 64 * KiB || size === 4 * MiB ? 1 : undefined;
-          ratios.push({ name: `${lane} prepared/${m.name} @ ${formatBytes(size)}`, subject: NAMES[`${lane}-prepared`](transportOf(`${lane}-prepared`)), baseline: m.name, blockBytes: size, descriptors: descriptorsOf(c), value, ...(g !== undefined ? { goal: g, pass: value >= g } : {}) });
+      const rereadMethods: KvRereadMethod[] = [];
+      if (hello.lanes.includes('same-host')) rereadMethods.push('same-host-reread');
+      if (hello.lanes.includes('tcp')) rereadMethods.push('tcp-reread');
+      if (hello.lanes.includes('same-host')) rereadMethods.push('memcpy-shm-reread');
+      const rereadTransport = (m: KvRereadMethod): string => (m === 'same-host-reread' ? (hello.transports['same-host'] as string) : m === 'tcp-reread' ? (hello.transports['tcp'] as string) : '');
+      const iterationsOf = (size: number): number => Math.min(4000, Math.max(ctx.quick ? 20 : 100, Math.floor((ctx.quick ? 8 * MiB : 128 * MiB) / size)));
+      const ucxRuns = new Map<string, Measurement[]>(); // `${size}/${UCX name}` -> one per round
+      const oursRuns = new Map<string, KvRereadResult[]>(); // `${size}/${method}` -> one per round
+      const ucxNotes = new Set<string>();
+      const steps = s.rounds * sizes.length;
+      let step = 0;
+      // Rounds: at each size, our same-shape posts and the two UCX runs, in an order that alternates.
+      for (let r = 0; r < s.rounds; r++) {
+        for (const [si, size] of sizes.entries()) {
+          const iterations = iterationsOf(size);
+          const slots = Math.floor(s.regionBytes / size);
+          const remoteOffset = Math.floor(rng(SEED + 31 * (r * sizes.length + si + 1))() * slots) * size;
+          const ours = async (): Promise<void> => {
+            const rid = ++id;
+            req.send({ type: 'reread', id: rid, blockBytes: size, remoteOffset, iterations, warmup: ucxWarmup(iterations), order: r % 2 === 0 ? rereadMethods : [...rereadMethods].reverse() });
+            const res = await req.next<{ type: string; results?: KvRereadResult[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
+            if (res.type === 'error' || !res.results) throw new BenchError(`kv --compare re-read of ${formatBytes(size)} failed: ${res.message ?? 'no result'}`);
+            for (const x of res.results) oursRuns.set(`${size}/${x.method}`, [...(oursRuns.get(`${size}/${x.method}`) ?? []), x]);
+          };
+          const ucx = (t: UcxTransport) => async (): Promise<void> => {
+            const u = await ucxPerftest(size, iterations, [t]);
+            for (const n of u.notes) ucxNotes.add(`${formatBytes(size)}: ${n}`);
+            for (const m of u.measurements) ucxRuns.set(`${size}/${m.name}`, [...(ucxRuns.get(`${size}/${m.name}`) ?? []), m]);
+          };
+          const order = [ours, ucx('posix'), ucx('tcp')];
+          for (const run of (r + si) % 2 === 0 ? order : order.reverse()) await run();
+          ctx.progress('kv --compare', ++step, steps);
         }
       }
-      notes.push(`UCX: ucx_perftest -t ucp_get with the message size = the block size, on loopback, right after the rounds above; ratios use the prepared engine path at the same block size (the size sweep's shape, 1 × 4 MiB at 4 MiB); ucx_perftest gets one buffer over and over (cache-resident at small sizes) where the kv fetches scatter over ${formatBytes(s.regionBytes)}`);
+      notes.push(...[...ucxNotes].map((n) => (/not installed/.test(n) ? n.replace(/^[^:]+: /, '') : n)).filter((n, i, a) => a.indexOf(n) === i));
+      for (const size of sizes) {
+        const ci = s.configs.findIndex((c) => c.blockBytes === size && c.sweep !== 'batch');
+        const c = s.configs[ci] as KvConfig;
+        const iterations = iterationsOf(size);
+        // UCX rows: the median of the rounds.
+        const ucxGbps = new Map<UcxTransport, number>();
+        for (const t of ['posix', 'tcp'] as const) {
+          const runs = ucxRuns.get(`${size}/${UCX_NAMES[t]}`) ?? [];
+          if (runs.length === 0) continue;
+          const g = median(runs.map((x) => x.gbps as number));
+          ucxGbps.set(t, g);
+          measurements.push({
+            name: UCX_NAMES[t],
+            role: 'external',
+            blockBytes: size,
+            totalBytes: runs.reduce((a, x) => a + (x.totalBytes ?? 0), 0),
+            gbps: g,
+            opsPerSec: (g * 1e9) / size,
+            extra: { rounds: runs.length, iterations, warmup: ucxWarmup(iterations), window: 1, p50LatencyUs: median(runs.map((x) => Number(x.extra?.['p50LatencyUs'] ?? 0))) },
+          });
+        }
+        // Ours in the ucx_perftest shape: one block re-read, window 1, same iterations and warm-up.
+        const rereadGbps = new Map<KvRereadMethod, number>();
+        for (const m of rereadMethods) {
+          const runs = oursRuns.get(`${size}/${m}`) ?? [];
+          const failed = runs.reduce((t, x) => t + x.failures, 0);
+          failures += failed;
+          if (failed > 0) notes.push(`re-read posts that failed verification: ${REREAD_NAMES[m](rereadTransport(m))} @ ${formatBytes(size)}: ${failed}`);
+          const transport = runs[0]?.transport;
+          if (m !== 'memcpy-shm-reread' && runs.some((x) => x.transport !== rereadTransport(m))) {
+            throw new BenchError(`kv --compare ${formatBytes(size)}: the engine used ${runs.map((x) => x.transport).join(', ')} where explain() chose ${rereadTransport(m)}`);
+          }
+          const g = median(runs.map((x) => gbps(x.bytes, x.ms)));
+          rereadGbps.set(m, g);
+          measurements.push({
+            name: REREAD_NAMES[m](rereadTransport(m)),
+            role: m === 'memcpy-shm-reread' ? 'baseline' : 'subject',
+            blockBytes: size,
+            descriptors: 1,
+            totalBytes: runs.reduce((t, x) => t + x.bytes, 0),
+            gbps: g,
+            opsPerSec: median(runs.map((x) => x.iterations / (x.ms / 1000))),
+            descriptorsPerSec: median(runs.map((x) => x.iterations / (x.ms / 1000))),
+            ...(transport !== undefined ? { transport } : {}),
+            extra: { shape: 'ucx_perftest ucp_get', rounds: runs.length, iterations, warmup: ucxWarmup(iterations), window: 1, usPerPost: median(runs.map((x) => (x.ms * 1000) / x.iterations)) },
+          });
+        }
+        for (const t of ['posix', 'tcp'] as const) {
+          const u = ucxGbps.get(t);
+          if (u === undefined) continue;
+          const lane = t === 'tcp' ? 'tcp' : 'same-host';
+          if (!hello.lanes.includes(lane)) continue;
+          const g = t === 'tcp' ? 3 : size === 64 * KiB || size === 4 * MiB ? 1 : undefined;
+          // The scattered kv fetch (the size sweep's shape) against UCX, as before.
+          const scattered = (gbpsOf.get(`${ci}/${lane}-prepared`) as number) / u;
+          ratios.push({ name: `${lane} prepared/${UCX_NAMES[t]} @ ${formatBytes(size)}`, subject: NAMES[`${lane}-prepared`](transportOf(`${lane}-prepared`)), baseline: UCX_NAMES[t], blockBytes: size, descriptors: descriptorsOf(c), value: scattered, ...(g !== undefined ? { goal: g, pass: scattered >= g } : {}) });
+          // The same shape as ucx_perftest on both sides.
+          const m: KvRereadMethod = `${lane}-reread`;
+          const same = (rereadGbps.get(m) as number) / u;
+          ratios.push({ name: `${lane} re-read/${UCX_NAMES[t]} @ ${formatBytes(size)} (same shape: one block re-read, window 1)`, subject: REREAD_NAMES[m](rereadTransport(m)), baseline: UCX_NAMES[t], blockBytes: size, descriptors: 1, value: same, ...(g !== undefined ? { goal: g, pass: same >= g } : {}) });
+        }
+      }
+      notes.push(
+        `UCX: ucx_perftest -t ucp_get -s <block size> -n <iterations> -w <iterations/10> -O 1 on loopback (UCX_TLS=posix,self and UCX_TLS=tcp; iterations = 128 MiB / size, clamped to 100..4000): it gets the same remote buffer into the same local buffer, one get at a time (ucp_get's default window is 1), so at small sizes both sides stay in cache; figures are medians of ${s.rounds} round(s), each round running, at each size, our same-shape posts and the two UCX runs in an order that alternates`,
+        'UCX ratios "<lane> prepared/UCX ..." use the scattered kv fetch of the size sweep (layers × blocks over the whole holder region, 1 × 4 MiB at 4 MiB): not the shape UCX measures; "<lane> re-read/UCX ... (same shape)" use ours measured the way ucx_perftest measures: one prepared transfer of one request of the block size from one random block-aligned remote offset into offset 0 of the registered destination, run() one post at a time, the same iterations and warm-up as the UCX run; the time is the wall time of the timed loop; every post\'s first and last destination byte are poisoned before it and checked after it, and the block is compared in full after the loop',
+      );
     }
     return { scenario: 'kv', measurements, ratios, verificationFailures: failures, notes };
   } finally {

@@ -11,7 +11,7 @@ import { TcpTransport, TransferEngine, silentLogger } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockServer, engineGrants } from '@tensorwire/lock-client/server';
-import { parseKvBlockId } from '../kv-shape.js';
+import { grantLayers, parseKvBlockId, rng, scatter } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { holderTransports } from '../transports.js';
 
@@ -67,14 +67,24 @@ const grants = engineGrants({
 const lock = new LockServer({ holderId: 'kv-holder', lockTimeoutMs: 30_000, maxBlocksPerSession: 8192, ...grants.lockServerOptions, logger: silentLogger });
 const lockPort = await lock.listen('127.0.0.1:0');
 
-/** µs per engine.grant (and per revoke) over `n` scattered ranges of the region; median of runs. */
-async function grantCost(n: number, size: number): Promise<{ grantUs: number; revokeUs: number }> {
-  const slots = Math.floor(regionBytes / size);
+/**
+ * µs per engine.grant (and per revoke) over `n` scattered ranges of the region; median of runs.
+ * `sorted`: ranges at stride 7919 blocks, in offset order (the overlap check is then one pass);
+ * unsorted: the order of a real lease's blocks, layer-major with random block ids per layer
+ * (kv-shape.ts scatter, {@link grantLayers} layers), so offsets rise across layers only.
+ */
+async function grantCost(n: number, size: number, sorted: boolean): Promise<{ grantUs: number; revokeUs: number }> {
   const ranges = new Float64Array(n * 3);
-  const order = Array.from({ length: n }, (_, k) => ((k * 7919) % slots) * size);
-  // Keep ranges in offset order per lease: the engine's overlap check is O(n) then, as for a real block table.
-  order.sort((x, y) => x - y);
-  for (let k = 0; k < n; k++) ranges.set([0, order[k] as number, size], k * 3);
+  if (sorted) {
+    const slots = Math.floor(regionBytes / size);
+    const order = Array.from({ length: n }, (_, k) => ((k * 7919) % slots) * size);
+    order.sort((x, y) => x - y);
+    for (let k = 0; k < n; k++) ranges.set([0, order[k] as number, size], k * 3);
+  } else {
+    const layers = grantLayers(n);
+    const offsets = scatter({ blockBytes: size, layers, blocks: n / layers }, regionBytes, rng(0x9e3779b9 ^ n));
+    for (let k = 0; k < n; k++) ranges.set([0, offsets[k] as number, size], k * 3);
+  }
   const runs = Math.max(5, Math.min(2000, Math.floor(200_000 / n)));
   const g: number[] = [];
   const r: number[] = [];
@@ -128,9 +138,13 @@ ipc.onMessage((m) => {
     const size = Number(m['blockBytes']);
     const run = async (): Promise<void> => {
       const rows: { ranges: number; grantUs: number; revokeUs: number }[] = [];
-      for (const n of m['ranges'] as number[]) rows.push({ ranges: n, ...(await grantCost(n, size)) });
+      const unsorted: { ranges: number; layers: number; grantUs: number; revokeUs: number }[] = [];
+      for (const n of m['ranges'] as number[]) {
+        rows.push({ ranges: n, ...(await grantCost(n, size, true)) });
+        unsorted.push({ ranges: n, layers: grantLayers(n), ...(await grantCost(n, size, false)) });
+      }
       const perBlock = await registerCost(Number(m['registerBlocks']), size);
-      ipc.send({ type: 'grant-cost', rows, perBlock, counters: grants.counters(), lock: lock.counters() });
+      ipc.send({ type: 'grant-cost', rows, unsorted, perBlock, counters: grants.counters(), lock: lock.counters() });
     };
     run().catch((e: unknown) => ipc.send({ type: 'grant-cost', error: e instanceof Error ? e.message : String(e) }));
   }

@@ -8,6 +8,10 @@
  * each method it runs one untimed warm-up fetch and then `fetches` timed fetches, one at a
  * time, and answers with the time spent inside the fetch calls.
  *
+ * A `reread` message (kv --compare) measures the ucx_perftest ucp_get shape instead: one block
+ * re-read from one remote offset into offset 0 of the destination, one post at a time (see
+ * {@link reread}).
+ *
  * Verification: the destination is zeroed before each method; before every timed fetch, the
  * first and last byte of 4 sampled descriptors are poisoned and after it those descriptors are
  * compared in full with the pattern at their remote offsets (outside the timed calls); after
@@ -20,7 +24,7 @@ import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockClient } from '@tensorwire/lock-client';
-import { bytesOf, kvBlockId, rng, scatter, type KvMethod, type KvMethodResult, type KvShape } from '../kv-shape.js';
+import { bytesOf, kvBlockId, rng, scatter, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { nowMs } from '../stats.js';
 import { requesterTransports, type TransportChoice } from '../transports.js';
@@ -244,6 +248,51 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
   return out;
 }
 
+/**
+ * The ucx_perftest ucp_get shape (see KvRereadMethod): `size` bytes from `remoteOffset` into
+ * offset 0 of the destination, `warmup` untimed posts, then `iterations` posts timed as one loop.
+ * Before every timed post the first and last byte of the destination are poisoned and after it
+ * they are checked (a few ns, inside the loop); after the loop the block is compared in full.
+ */
+async function reread(method: KvRereadMethod, size: number, remoteOffset: number, iterations: number, warmup: number): Promise<KvRereadResult> {
+  let post: () => Promise<unknown> | void;
+  let close: () => Promise<void> = () => Promise.resolve();
+  let transport: string | undefined;
+  if (method === 'memcpy-shm-reread') {
+    const src = shmExpected;
+    if (!src) throw new Error('no shared memory in this process for the memcpy-shm baseline');
+    post = () => {
+      src.copy(dest, 0, remoteOffset, remoteOffset + size);
+    };
+  } else {
+    const l = lanes.get(method === 'tcp-reread' ? 'tcp' : 'same-host');
+    if (!l) throw new Error(`no ${method} lane in this run`);
+    const p = await l.engine.prepare(endpoint, [{ local: l.reg, localOffset: 0, remote: descriptor, remoteOffset, length: size }], { op: 'read' });
+    transport = p.transport;
+    post = () => p.run();
+    close = () => p.close();
+  }
+  const first = expected[remoteOffset] as number;
+  const last = expected[remoteOffset + size - 1] as number;
+  let failures = 0;
+  try {
+    dest.fill(0, 0, size);
+    for (let i = 0; i < warmup; i++) await post();
+    const t0 = nowMs();
+    for (let i = 0; i < iterations; i++) {
+      dest[0] = first ^ 0xff;
+      dest[size - 1] = last ^ 0xff;
+      await post();
+      if (dest[0] !== first || dest[size - 1] !== last) failures++;
+    }
+    const ms = nowMs() - t0;
+    if (dest.compare(expected, remoteOffset, remoteOffset + size, 0, size) !== 0) failures++;
+    return { method, ms, iterations, bytes: iterations * size, failures, ...(transport !== undefined ? { transport } : {}) };
+  } finally {
+    await close();
+  }
+}
+
 ipc.onMessage((m) => {
   const run = async (): Promise<void> => {
     if (m['type'] === 'stop') {
@@ -251,6 +300,12 @@ ipc.onMessage((m) => {
       await client.close();
       await Promise.allSettled([...lanes.values()].map((l) => l.engine.close()));
       process.exit(0);
+    }
+    if (m['type'] === 'reread') {
+      const results: KvRereadResult[] = [];
+      for (const method of m['order'] as KvRereadMethod[]) results.push(await reread(method, Number(m['blockBytes']), Number(m['remoteOffset']), Number(m['iterations']), Number(m['warmup'])));
+      ipc.send({ type: 'result', id: m['id'], results });
+      return;
     }
     if (m['type'] !== 'measure') return;
     const results = await measure(m['shape'] as KvShape, Number(m['seed']), Number(m['fetches']), m['order'] as KvMethod[]);

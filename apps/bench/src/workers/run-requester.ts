@@ -1,10 +1,10 @@
-/** Child process: the requester of `run`. argv: lockAddress blocks blockBytes blocksPerFetch durationMs lanes transport */
+/** Child process: the requester of `run`. argv: lockAddress blocks blockBytes blocksPerFetch durationMs lanes transport baselines(1|0) */
 import { runFetcher } from '../fetcher.js';
 import { workerInit } from '../proc.js';
 import { isTransportChoice } from '../transports.js';
 
 const ipc = workerInit();
-const [lockAddress, blocks, blockBytes, blocksPerFetch, durationMs, lanes, transport] = process.argv.slice(2);
+const [lockAddress, blocks, blockBytes, blocksPerFetch, durationMs, lanes, transport, baselines] = process.argv.slice(2);
 try {
   const result = await runFetcher({
     lockAddress: lockAddress as string,
@@ -14,6 +14,7 @@ try {
     durationMs: Number(durationMs),
     lanes: Number(lanes),
     transport: isTransportChoice(transport) ? transport : 'auto',
+    baselines: baselines !== '0',
     onProgress: (done, total) => ipc.send({ type: 'progress', done, total }),
   });
   ipc.send({ type: 'result', result });
