@@ -45,6 +45,7 @@ import {
   RETRY_AFTER_METADATA_KEY,
   loadLockProtocol,
   type AcquireResponseMsg,
+  type BlockGrantMsg,
   type HealthResponseMsg,
   type LockServiceClient,
   type ReleaseManyResponseMsg,
@@ -211,7 +212,10 @@ interface LeaseRecord {
   readonly sessionId: string;
   readonly blockIds: readonly string[];
   readonly lockTimeoutMs: number;
-  readonly descriptors: ReadonlyMap<string, readonly Uint8Array[]>;
+  /** The response's per-block entries: only blocks with descriptors (a holder that honours omit_empty_blocks), or every block. */
+  readonly blockGrants: readonly BlockGrantMsg[];
+  /** `descriptors` of the guard, made on first use (a fetch never looks at it). */
+  descriptorMap: ReadonlyMap<string, readonly Uint8Array[]> | undefined;
   readonly leaseDescriptors: readonly Uint8Array[];
   /** Created on first use of `guard.signal` (most cycles never look at it). */
   controller: AbortController | undefined;
@@ -230,6 +234,22 @@ interface LeaseRecord {
   releasing: Promise<ReleaseResult> | undefined;
   /** Dropped by `dropLeases` (the holder's incarnation ended): never released by RPC. */
   dropped?: boolean;
+}
+
+const NO_DESCRIPTORS: readonly Uint8Array[] = Object.freeze([]);
+
+/**
+ * The lease's descriptors per block, made once: every block of the lease, with what the holder
+ * listed for it (a holder that honours omit_empty_blocks lists only blocks that have some).
+ */
+function descriptorMap(r: LeaseRecord): ReadonlyMap<string, readonly Uint8Array[]> {
+  if (r.descriptorMap === undefined) {
+    const m = new Map<string, readonly Uint8Array[]>();
+    for (const id of r.blockIds) m.set(id, NO_DESCRIPTORS);
+    for (const b of r.blockGrants) m.set(b.blockId, b.descriptors);
+    r.descriptorMap = m;
+  }
+  return r.descriptorMap;
 }
 
 /**
@@ -290,9 +310,9 @@ export class LockGuard implements AsyncDisposable {
   get budgetMs(): number {
     return Math.max(0, this.transferDeadline - now());
   }
-  /** Per block, the holder's opaque transfer descriptors for this lease. */
+  /** Per block of the lease, the holder's opaque transfer descriptors for this lease (empty lists for blocks without). */
   get descriptors(): ReadonlyMap<string, readonly Uint8Array[]> {
-    return this.#r.descriptors;
+    return descriptorMap(this.#r);
   }
   /** The holder's opaque descriptors for the whole lease (e.g. one range grant; empty when none). */
   get leaseDescriptors(): readonly Uint8Array[] {
@@ -300,7 +320,9 @@ export class LockGuard implements AsyncDisposable {
   }
   /** The descriptors of one block (empty when the holder has none). */
   descriptorsFor(blockId: string): readonly Uint8Array[] {
-    return this.#r.descriptors.get(blockId) ?? [];
+    // Most leases (one range grant) have no per-block descriptors at all: no map needed.
+    if (this.#r.blockGrants.length === 0) return NO_DESCRIPTORS;
+    return descriptorMap(this.#r).get(blockId) ?? NO_DESCRIPTORS;
   }
   /**
    * Fires when transfers under this lease must stop: the transfer budget ran out
@@ -637,7 +659,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
         res = await this.#call<AcquireResponseMsg>(
           holder,
           'acquire',
-          (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId }, md, o, cb),
+          (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true }, md, o, cb),
           Math.max(1, until - sentAt),
           signal,
           true,
@@ -668,8 +690,6 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       }
     }
 
-    const descriptors = new Map<string, readonly Uint8Array[]>();
-    for (const b of res.blocks) descriptors.set(b.blockId, b.descriptors);
     this.#lockTimeouts.set(holder, res.lockTimeoutMs);
     const marginOpt = this.#opts.safetyMarginMs;
     const record: LeaseRecord = {
@@ -678,7 +698,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       sessionId: res.sessionId,
       blockIds: ids,
       lockTimeoutMs: res.lockTimeoutMs,
-      descriptors,
+      blockGrants: res.blocks,
+      descriptorMap: undefined,
       leaseDescriptors: res.leaseDescriptors ?? [],
       controller: undefined,
       endReason: undefined,

@@ -78,6 +78,7 @@ interface RawAcquireRequest {
   blockIds: string[];
   leaseMs: number;
   acquireId: string;
+  omitEmptyBlocks: boolean;
 }
 interface RawBlockGrant {
   blockId: string;
@@ -107,6 +108,81 @@ interface RawHealthResponse {
   lockTimeoutMs: number;
   activeSessions: U64;
   activeBlocks: U64;
+}
+
+/** Bytes of `v` as a protobuf varint. */
+function varintSize(v: number): number {
+  let n = 1;
+  while (v >= 0x80) {
+    v = Math.floor(v / 128);
+    n++;
+  }
+  return n;
+}
+
+function writeVarint(buf: Buffer, pos: number, v: number): number {
+  while (v >= 0x80) {
+    buf[pos++] = (v % 128) | 0x80;
+    v = Math.floor(v / 128);
+  }
+  buf[pos++] = v;
+  return pos;
+}
+
+/** Bytes of a length-delimited field of `bytes` bytes: its key byte, the length varint, the bytes. */
+function fieldSize(bytes: number): number {
+  return 1 + varintSize(bytes) + bytes;
+}
+
+/** Key byte of AcquireRequest.block_ids (field 2, length-delimited) and a 1-byte length, per length < 128. */
+const BLOCK_ID_FRAMES: readonly string[] = Array.from({ length: 0x80 }, (_, n) => String.fromCharCode(0x12, n));
+const utf8 = new TextEncoder();
+
+/**
+ * AcquireRequest without protobufjs's per-string work, for block ids of ASCII shorter than
+ * 128 characters (valid block ids nearly always are): the ids and their framing (key byte,
+ * 1-byte length) are concatenated into ONE string and written in one call, which also proves
+ * them ASCII (as many bytes written as characters read). Fields and presence as protobufjs's
+ * generated encoder writes them (a field that is set is written, defaults included). Returns
+ * undefined when the message does not fit this path (an id of 128 characters or more, a
+ * non-ASCII id, a field of an unexpected type): the caller then uses protobufjs.
+ */
+function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
+  const ids = m.blockIds;
+  const { requesterId, leaseMs, acquireId, omitEmptyBlocks } = m;
+  if (!Array.isArray(ids) || typeof requesterId !== 'string' || typeof acquireId !== 'string') return undefined;
+  if (typeof leaseMs !== 'number' || !Number.isInteger(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) return undefined;
+  if (omitEmptyBlocks !== undefined && typeof omitEmptyBlocks !== 'boolean') return undefined;
+  let framed = '';
+  for (let i = 0; i < ids.length; i++) {
+    const id = ids[i];
+    if (typeof id !== 'string' || id.length >= 0x80) return undefined;
+    framed += (BLOCK_ID_FRAMES[id.length] as string) + id;
+  }
+  const requesterBytes = Buffer.byteLength(requesterId, 'utf8');
+  const acquireBytes = Buffer.byteLength(acquireId, 'utf8');
+  const size = fieldSize(requesterBytes) + framed.length + 1 + varintSize(leaseMs) + fieldSize(acquireBytes) + (omitEmptyBlocks === undefined ? 0 : 2);
+  const buf = Buffer.allocUnsafe(size);
+  let pos = 0;
+  buf[pos++] = 0x0a; // 1: requester_id
+  pos = writeVarint(buf, pos, requesterBytes);
+  pos += buf.write(requesterId, pos, 'utf8');
+  // 2: block_ids, every one. Framing characters are < 0x80, so the UTF-8 bytes are exactly the
+  // characters when every id is ASCII; otherwise more bytes than characters (or fewer read).
+  const { read, written } = utf8.encodeInto(framed, buf.subarray(pos, pos + framed.length));
+  if (read !== framed.length || written !== framed.length) return undefined;
+  pos += written;
+  buf[pos++] = 0x18; // 3: lease_ms
+  pos = writeVarint(buf, pos, leaseMs);
+  buf[pos++] = 0x22; // 4: acquire_id
+  pos = writeVarint(buf, pos, acquireBytes);
+  pos += buf.write(acquireId, pos, 'utf8');
+  if (omitEmptyBlocks !== undefined) {
+    buf[pos++] = 0x28; // 5: omit_empty_blocks
+    buf[pos++] = omitEmptyBlocks ? 1 : 0;
+  }
+  if (pos !== size) throw new Error(`AcquireRequest encoder wrote ${pos} bytes, expected ${size}`);
+  return buf;
 }
 
 export interface MessageCodec<T> {
@@ -191,11 +267,11 @@ export function createLockCodec(protoPath: string): LockCodec {
     AcquireRequest: {
       encode: (m) => {
         if (m.blockIds != null && !Array.isArray(m.blockIds)) throw new TypeError('blockIds: array expected');
-        return enc(tAcquireReq, m);
+        return encodeAcquireRequestAscii(m) ?? enc(tAcquireReq, m);
       },
       decode: (b) => {
         const r = dec<RawAcquireRequest>(tAcquireReq, b);
-        return { requesterId: r.requesterId, blockIds: list(r.blockIds), leaseMs: r.leaseMs, acquireId: r.acquireId };
+        return { requesterId: r.requesterId, blockIds: list(r.blockIds), leaseMs: r.leaseMs, acquireId: r.acquireId, omitEmptyBlocks: r.omitEmptyBlocks };
       },
     },
     AcquireResponse: {

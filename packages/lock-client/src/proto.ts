@@ -16,6 +16,11 @@ export interface AcquireRequestMsg {
   blockIds: string[];
   leaseMs: number;
   acquireId: string;
+  /**
+   * The requester accepts a response that lists only the blocks with descriptors (a block
+   * left out has none). Absent / false: one entry per requested block, as older holders send.
+   */
+  omitEmptyBlocks?: boolean;
 }
 export interface BlockGrantMsg {
   blockId: string;
@@ -26,6 +31,7 @@ export interface AcquireResponseMsg {
   deadlineUnixMs: number;
   leaseMs: number;
   lockTimeoutMs: number;
+  /** One entry per requested block, or (request with `omitEmptyBlocks`) only those with descriptors, in request order. */
   blocks: BlockGrantMsg[];
   holderId: string;
   /** Descriptors covering the whole lease (empty when the resolver gives none). */

@@ -6,15 +6,16 @@
  * (block i of the lease is range i), sent to the requester as one lease descriptor; when the
  * lease ends (released, expired by the GC, abandoned, shutdown) the grant is revoked, exactly
  * once. Counters: `issued = revoked + live`, always. `blocks` is asked once per block when the
- * block is pinned; the answer is kept while the block stays pinned (a pinned block does not
- * move), so a lease's grant looks up nothing again.
+ * block is pinned; the lease table keeps the answer with the pin while the block stays pinned
+ * (a pinned block does not move) and hands it to each lease in `LeaseInfo.pinValues`, so a
+ * lease's grant looks up nothing again.
  *
  * ```ts
  * const grants = engineGrants({ engine, blocks: new Map([['block:kv:0', { registration, offset: 0, length: 4096 }]]) });
  * const server = await startLockServer({ holderId: 'h', ...grants.lockServerOptions });
  * ```
  */
-import { GRANT_STRIDE, type Grant, type GrantRange, type Logger, type Registration, type TransferEngine, silentLogger } from '@tensorwire/core';
+import { GRANT_STRIDE, Registration, type Grant, type GrantRange, type Logger, type TransferEngine, silentLogger } from '@tensorwire/core';
 import { LeaseError } from '../errors.js';
 import { encodeFetchDescriptor } from '../fetch-descriptor.js';
 import type { LeaseEndReason, LeaseInfo } from './lease-table.js';
@@ -42,9 +43,12 @@ export interface EngineGrantCounters {
 }
 
 export interface EngineGrants {
-  /** Refuses blocks this holder does not have (NOT_FOUND), before anything is pinned; remembers where the block lies while it is pinned. */
-  pin(blockId: string): void;
-  /** The block's last lease ended: forget where it lies. */
+  /**
+   * Refuses blocks this holder does not have (NOT_FOUND), before anything is pinned; returns
+   * where the block lies, which the lease table keeps with the pin (`LeaseInfo.pinValues`).
+   */
+  pin(blockId: string): GrantRange;
+  /** The block's last lease ended (nothing to forget: the lease table drops the pin's value). */
   unpin(blockId: string): void;
   /** One range grant over the lease's blocks, as one lease descriptor. */
   resolve(blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease>;
@@ -52,7 +56,7 @@ export interface EngineGrants {
   revoke(lease: LeaseInfo, reason: LeaseEndReason): void;
   /** `{ pin, unpin, resolve, revoke }`, to spread into `startLockServer` options. */
   readonly lockServerOptions: {
-    readonly pin: (blockId: string) => void;
+    readonly pin: (blockId: string) => GrantRange;
     readonly unpin: (blockId: string) => void;
     readonly resolve: (blockIds: readonly string[], lease: LeaseInfo) => Promise<ResolvedLease>;
     readonly revoke: (lease: LeaseInfo, reason: LeaseEndReason) => void;
@@ -62,9 +66,6 @@ export interface EngineGrants {
   settled(): Promise<void>;
 }
 
-/** Most pinned blocks whose lookup is remembered (beyond it, `blocks` is asked again at grant time). */
-const MAX_REMEMBERED_BLOCKS = 1 << 20;
-
 /** A lease whose grant is being made, made, or whose lease ended while it was being made. */
 type Slot = { state: 'pending' } | { state: 'ended' } | { state: 'live'; grant: Grant };
 
@@ -73,9 +74,6 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   const logger = options.logger ?? silentLogger;
   const lookup = typeof options.blocks === 'function' ? options.blocks : (id: string) => (options.blocks as ReadonlyMap<string, GrantRange>).get(id);
   const slots = new Map<string, Slot>();
-  // Where each pinned block lies, from its pin (the lease table pins a block when its first
-  // live lease takes it and unpins it after its last): refreshed at every pin, so never stale.
-  const pinned = new Map<string, GrantRange>();
   const revoking = new Set<Promise<void>>();
   let issued = 0;
   let revoked = 0;
@@ -88,15 +86,15 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     void p.finally(() => revoking.delete(p));
   };
 
-  const pin = (blockId: string): void => {
+  // Where each block lies, from its pin (the lease table pins a block when its first live lease
+  // takes it, keeps what this returns with the pin, and drops it after the last): so never stale.
+  const pin = (blockId: string): GrantRange => {
     const r = lookup(blockId);
     if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${blockId} on this holder`);
-    if (pinned.size < MAX_REMEMBERED_BLOCKS || pinned.has(blockId)) pinned.set(blockId, r);
+    return r;
   };
 
-  const unpin = (blockId: string): void => {
-    pinned.delete(blockId);
-  };
+  const unpin = (): void => undefined;
 
   const resolve = async (blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease> => {
     const sessionId = lease.sessionId;
@@ -107,9 +105,13 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       const registrations: Registration[] = [];
       const index = new Map<Registration, number>();
       const ranges = new Float64Array(blockIds.length * GRANT_STRIDE);
+      // What the pins looked up, when the lease is the table's and these are its blocks.
+      const values = blockIds === lease.blockIds ? lease.pinValues : undefined;
       for (let i = 0; i < blockIds.length; i++) {
         const id = blockIds[i] as string;
-        const r = pinned.get(id) ?? lookup(id);
+        const v = values?.[i] as GrantRange | undefined;
+        // A pin hook other than ours (spread over lockServerOptions) may have kept something else.
+        const r = v !== undefined && v !== null && v.registration instanceof Registration ? v : lookup(id);
         if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
         let k = index.get(r.registration);
         if (k === undefined) index.set(r.registration, (k = registrations.push(r.registration) - 1));

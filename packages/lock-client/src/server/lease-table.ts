@@ -44,6 +44,12 @@ export interface LeaseInfo {
   readonly deadline: number;
   /** The lease length last granted (ms). */
   readonly leaseMs: number;
+  /**
+   * Per block, in `blockIds` order: what the `pin` hook returned when the block was pinned
+   * (kept with the pin while any live lease holds the block). Set when the table has a `pin`
+   * hook; filled in as the blocks are pinned.
+   */
+  readonly pinValues?: readonly unknown[];
 }
 
 /** Why a lease ended. `released` and `abandoned` count as released; `expired` and `shutdown` as expired. */
@@ -83,8 +89,12 @@ export interface LeaseTableOptions {
   /** Sum of blocks over live sessions at most (default unlimited). */
   readonly maxActiveBlocks?: number;
   readonly clock?: Clock;
-  /** Block goes from 0 to 1 live leases. Throw (e.g. `LeaseError('NOT_FOUND', …)`) to refuse the acquire. */
-  readonly pin?: (blockId: string, lease: LeaseInfo) => void;
+  /**
+   * Block goes from 0 to 1 live leases. Throw (e.g. `LeaseError('NOT_FOUND', …)`) to refuse the
+   * acquire. What it returns (e.g. where the block lies) is kept with the pin until the block
+   * is unpinned, and every lease that takes the block meanwhile gets it in `pinValues`.
+   */
+  readonly pin?: (blockId: string, lease: LeaseInfo) => unknown;
   /** Block goes from 1 to 0 live leases: its memory may be reused. */
   readonly unpin?: (blockId: string) => void;
   /** A lease ended: revoke its grants. Runs before the `unpin`s it causes. */
@@ -114,6 +124,12 @@ interface Lease extends LeaseInfo, HeapEntry {
   leaseMs: number;
   heapIndex: number;
   live: boolean;
+}
+
+/** A pinned block: how many live leases hold it, and what the `pin` hook returned for it. */
+interface Pin {
+  n: number;
+  readonly value: unknown;
 }
 
 const DEFAULT_MAX_SESSIONS = 100_000;
@@ -147,7 +163,7 @@ export class LeaseTable {
   readonly #logger: Logger;
   readonly #sessions = new Map<string, Lease>();
   readonly #byAcquire = new Map<string, Lease>();
-  readonly #pins = new Map<string, number>();
+  readonly #pins = new Map<string, Pin>();
   readonly #heap = new DeadlineHeap<Lease>();
   /** Acquire ids released before their acquire arrived: key → expiry, in expiry order. */
   readonly #tombstones = new Map<string, number>();
@@ -212,7 +228,7 @@ export class LeaseTable {
 
   /** How many live leases pin a block (0 when unpinned). */
   pinCount(blockId: string): number {
-    return this.#pins.get(blockId) ?? 0;
+    return this.#pins.get(blockId)?.n ?? 0;
   }
 
   /** The earliest deadline among live leases. */
@@ -291,6 +307,8 @@ export class LeaseTable {
     // The default secret is always a valid local part: no need to check it again.
     do sessionId = newSecret === undefined ? `session:${this.holderId}:${defaultSecret()}` : formatId('session', this.holderId, newSecret());
     while (this.#sessions.has(sessionId));
+    const pin = this.#opts.pin;
+    const values = pin === undefined ? undefined : new Array<unknown>(n);
     const lease: Lease = {
       sessionId,
       requesterId,
@@ -299,21 +317,28 @@ export class LeaseTable {
       acquiredAt: now,
       deadline: now + leaseMs,
       leaseMs,
+      pinValues: values,
       heapIndex: -1,
       live: true,
     };
     // Pin, rolling back on a refusal so a failed acquire leaves no trace.
-    const pinned: string[] = [];
+    let pinned = 0;
     try {
-      for (const id of lease.blockIds) {
-        const n = this.#pins.get(id) ?? 0;
-        if (n === 0) this.#opts.pin?.(id, lease);
-        this.#pins.set(id, n + 1);
-        pinned.push(id);
+      for (; pinned < n; pinned++) {
+        const id = lease.blockIds[pinned] as string;
+        const held = this.#pins.get(id);
+        if (held === undefined) {
+          const value = pin?.(id, lease);
+          this.#pins.set(id, { n: 1, value });
+          if (values !== undefined) values[pinned] = value;
+        } else {
+          held.n++;
+          if (values !== undefined) values[pinned] = held.value;
+        }
       }
     } catch (e) {
       lease.live = false;
-      this.#unpinAll(pinned);
+      this.#unpinAll(lease.blockIds, pinned);
       this.#rejected++;
       if (e instanceof LeaseError) {
         try {
@@ -438,14 +463,16 @@ export class LeaseTable {
     } catch (e) {
       this.#logger.error('lock: onEnd hook threw; continuing', { sessionId: lease.sessionId, error: String(e) });
     }
-    this.#unpinAll(lease.blockIds);
+    this.#unpinAll(lease.blockIds, lease.blockIds.length);
   }
 
-  #unpinAll(blockIds: readonly string[]): void {
-    for (const id of blockIds) {
-      const n = this.#pins.get(id) ?? 0;
-      if (n > 1) {
-        this.#pins.set(id, n - 1);
+  /** Drop one pin of each of the first `count` blocks; unpin those no live lease holds any more. */
+  #unpinAll(blockIds: readonly string[], count: number): void {
+    for (let i = 0; i < count; i++) {
+      const id = blockIds[i] as string;
+      const held = this.#pins.get(id);
+      if (held !== undefined && held.n > 1) {
+        held.n--;
         continue;
       }
       this.#pins.delete(id);

@@ -400,10 +400,17 @@ export class LockServer implements AsyncDisposable {
       this.#resolveFailed(cb, lease, new Error('resolver returned a block descriptor that is not bytes or a list of bytes'));
       return;
     }
-    for (let i = 0; i < lease.blockIds.length; i++) {
-      const d = descriptors?.[i];
-      const list = d === undefined ? EMPTY : d instanceof Uint8Array ? [d] : d;
-      blocks.push({ blockId: lease.blockIds[i] as string, descriptors: list as Uint8Array[] });
+    // A requester that set omit_empty_blocks gets only the blocks that have descriptors: a
+    // lease covered by its lease descriptors (one range grant) then answers in a few hundred
+    // bytes instead of one entry per block.
+    const omitEmpty = call.request.omitEmptyBlocks === true;
+    if (descriptors !== undefined || !omitEmpty) {
+      for (let i = 0; i < lease.blockIds.length; i++) {
+        const d = descriptors?.[i];
+        const list = d === undefined ? EMPTY : d instanceof Uint8Array ? [d] : d;
+        if (omitEmpty && list.length === 0) continue;
+        blocks.push({ blockId: lease.blockIds[i] as string, descriptors: list as Uint8Array[] });
+      }
     }
     cb(null, {
       sessionId: lease.sessionId,
