@@ -64,7 +64,8 @@ describe('LockGuard releases exactly once on every exit path', () => {
       await new Promise<void>((_, reject) => both.addEventListener('abort', () => reject(new AbortedError('transfer aborted')), { once: true }));
     };
     const running = work();
-    await waitFor(() => h?.server.counters().active === 1, 'grant');
+    // Held: the holder granted it and the client has the guard (not an acquire still in flight).
+    await waitFor(() => h?.server.counters().active === 1 && h.client.counters().acquired === 1, 'grant');
     ac.abort();
     await expect(running).rejects.toBeInstanceOf(AbortedError);
     expect(h.releases()).toBe(1);
@@ -139,6 +140,8 @@ describe('LockGuard releases exactly once on every exit path', () => {
       return h?.releases() === 1;
     }, 'finalizer release');
     await waitFor(() => h?.server.counters().active === 0, 'lease ended');
+    // The holder has the release; the client counts it once the answer is back.
+    await waitFor(() => client.counters().released === 1, 'release confirmed');
     expect(leaked).toHaveLength(1);
     expect(h.releases()).toBe(1);
     expect(client.counters()).toMatchObject({ acquired: 1, released: 1, leakedGuards: 1, active: 0 });

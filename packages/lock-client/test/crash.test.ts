@@ -21,8 +21,10 @@ describe('crashes (real child processes, SIGKILL)', () => {
     const pinned = new Map<string, number>();
     const server = new LockServer({
       holderId: 'holder1',
-      lockTimeoutMs: 600,
-      minLeaseMs: 600,
+      // Long enough that no lease expires before the four children hold theirs on a loaded
+      // machine; short enough for the GC to expire the killed ones within the test.
+      lockTimeoutMs: 3000,
+      minLeaseMs: 3000,
       pin: (b) => pinned.set(b, 1),
       unpin: (b) => pinned.delete(b),
     });
