@@ -7,7 +7,7 @@
  * argv: regionBytes seed shared(1|0)
  */
 import net from 'node:net';
-import { TcpTransport, TransferEngine, silentLogger } from '@tensorwire/core';
+import { TcpTransport, TransferEngine, silentLogger, type GrantRange } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockServer, engineGrants } from '@tensorwire/lock-client/server';
@@ -56,12 +56,20 @@ const raw = net.createServer({ noDelay: true }, (socket) => {
 await new Promise<void>((r) => raw.listen(0, '127.0.0.1', r));
 
 // Leased fetches: the library's flow, one range grant per lease over its blocks (block ids
-// name their offset and length in the region: see kvBlockId).
+// name their offset and length in the region: see kvBlockId). A real holder looks blocks up in
+// its block table; here the parsed ids are kept in a map (bounded), so a pin costs a lookup,
+// not a regular expression.
+const blockTable = new Map<string, GrantRange>();
 const grants = engineGrants({
   engine,
   blocks: (id) => {
+    const known = blockTable.get(id);
+    if (known) return known;
     const b = parseKvBlockId(id);
-    return b && b.length > 0 && b.offset + b.length <= regionBytes ? { registration: reg, offset: b.offset, length: b.length } : undefined;
+    if (!b || b.length === 0 || b.offset + b.length > regionBytes) return undefined;
+    const range: GrantRange = { registration: reg, offset: b.offset, length: b.length };
+    if (blockTable.size < 1 << 20) blockTable.set(id, range);
+    return range;
   },
 });
 const lock = new LockServer({ holderId: 'kv-holder', lockTimeoutMs: 30_000, maxBlocksPerSession: 8192, ...grants.lockServerOptions, logger: silentLogger });
