@@ -37,6 +37,7 @@ import {
   errorFromSignal,
   toTensorwireError,
 } from './errors.js';
+import { checkGrantRanges, rangeArray } from './grant-check.js';
 import { IdAllocator, IdRegistry, assertOwner } from './ids.js';
 import { consoleLogger, type Logger } from './logger.js';
 import { EngineMetrics, type MetricsOptions } from './metrics.js';
@@ -325,9 +326,14 @@ export interface GrantRange {
 /**
  * What {@link TransferEngine.grant} takes: a list of ranges, or the same as typed arrays
  * (`ranges` holds `GRANT_STRIDE` numbers per range: index into `registrations`, offset,
- * length), which costs no object per range.
+ * length), which costs no object per range. The engine keeps a private copy of `ranges`;
+ * with `transfer: true` it takes the array's ArrayBuffer instead (detached, as a transfer list
+ * of `postMessage` does: no copy however many ranges), when `ranges` spans a whole, non-shared
+ * ArrayBuffer; otherwise it copies as usual. Do not use `ranges` after a call with `transfer`.
  */
-export type GrantSpec = readonly GrantRange[] | { readonly registrations: readonly Registration[]; readonly ranges: Float64Array };
+export type GrantSpec =
+  | readonly GrantRange[]
+  | { readonly registrations: readonly Registration[]; readonly ranges: Float64Array; readonly transfer?: boolean };
 
 /**
  * A range grant: one capability over ranges of registered memory. Its `descriptor` is one
@@ -452,6 +458,20 @@ function withRequest(e: TensorwireError, i: number, prefix: string): TensorwireE
 }
 
 /**
+ * The caller's ranges, taken over (their ArrayBuffer detached from the caller's view), when
+ * they span a whole ArrayBuffer that can be transferred; otherwise undefined (then copied).
+ */
+function takeRanges(ranges: Float64Array): Float64Array | undefined {
+  const ab = ranges.buffer;
+  if (!(ab instanceof ArrayBuffer) || ranges.byteOffset !== 0 || ranges.byteLength !== ab.byteLength) return undefined;
+  try {
+    return new Float64Array(structuredClone(ab, { transfer: [ab] }));
+  } catch {
+    return undefined; // not transferable (Node's Buffer pool, for one)
+  }
+}
+
+/**
  * A grant spec as typed arrays, checked for shape (bounds are checked by the engine). `owned`
  * says whether `ranges` is the engine's already (built here from a list) or the caller's
  * (the engine copies it in its checking pass).
@@ -494,136 +514,10 @@ function normalizeGrantSpec(spec: GrantSpec, max: number): { regs: readonly Regi
   if (s.ranges.length % GRANT_STRIDE !== 0) throw new InvalidInputError(`ranges must hold ${GRANT_STRIDE} numbers per range`, { details: { field: 'ranges' } });
   const count = s.ranges.length / GRANT_STRIDE;
   if (count === 0 || count > max) throw new InvalidInputError(`a grant covers 1 to ${max} ranges, got ${count}`, { details: { field: 'ranges' } });
+  const taken = (s as { transfer?: unknown }).transfer === true ? takeRanges(s.ranges) : undefined;
+  if (taken) return { regs: regs as readonly Registration[], ranges: taken, count, owned: true };
   // The ranges are copied by the engine's checking pass (transports keep the copy).
   return { regs: regs as readonly Registration[], ranges: s.ranges, count, owned: false };
-}
-
-/**
- * A Float64Array of `n` numbers for the engine's private copy of a grant's ranges. Every
- * element is overwritten before it is read (the checking pass copies all of them in), so
- * large ones skip the zero fill.
- */
-function rangeArray(n: number): Float64Array {
-  if (n < 512) return new Float64Array(n);
-  const b = Buffer.allocUnsafeSlow(n * 8); // its own ArrayBuffer at offset 0: 8-aligned
-  return new Float64Array(b.buffer, b.byteOffset, n);
-}
-
-/**
- * Whether two granted ranges of one registration share a byte, with no object or closure per
- * range: per registration, the sorted starts and the sorted ends (native typed-array sorts)
- * of disjoint half-open ranges interleave (start k+1 >= end k); any overlap breaks that.
- */
-function grantRangesOverlap(ranges: Float64Array, count: number, nregs: number): boolean {
-  const starts = new Float64Array(count);
-  const ends = new Float64Array(count);
-  // Bucket by registration (counting sort on the handle index), then sort each bucket.
-  const first = new Uint32Array(nregs + 1);
-  if (nregs > 1) {
-    for (let i = 0; i < count; i++) {
-      const k = (ranges[i * GRANT_STRIDE] as number) + 1;
-      first[k] = (first[k] as number) + 1;
-    }
-    for (let k = 0; k < nregs; k++) first[k + 1] = (first[k + 1] as number) + (first[k] as number);
-  } else first[1] = count;
-  const fill = first.slice(0, nregs);
-  for (let i = 0, at = 0; i < count; i++, at += GRANT_STRIDE) {
-    const k = nregs > 1 ? (ranges[at] as number) : 0;
-    const j = fill[k] as number;
-    fill[k] = j + 1;
-    const off = ranges[at + 1] as number;
-    starts[j] = off;
-    ends[j] = off + (ranges[at + 2] as number);
-  }
-  for (let k = 0; k < nregs; k++) {
-    const a = first[k] as number;
-    const b = first[k + 1] as number;
-    if (b - a < 2) continue;
-    starts.subarray(a, b).sort();
-    ends.subarray(a, b).sort();
-    for (let j = a + 1; j < b; j++) if ((starts[j] as number) < (ends[j - 1] as number)) return true;
-  }
-  return false;
-}
-
-/**
- * The engine's one pass over a grant's ranges (`count` of them, GRANT_STRIDE numbers each):
- * the caller's `source` is first copied into the engine's private `ranges` with one memcpy
- * (the transports keep that copy; `ranges === source` when the engine built it), then the
- * copy (what is kept, so what is checked) is checked in one loop: shape and bounds per range
- * against `regs`, the run-length encoded lengths for the descriptor, and whether ranges come
- * in increasing order per registration (then they cannot overlap; otherwise sorted starts and
- * ends decide, see {@link grantRangesOverlap}). No object per range.
- */
-function checkGrantRanges(source: Float64Array, ranges: Float64Array, count: number, regs: readonly Registration[]): { bytes: number; runs: number[] } {
-  if (ranges !== source) ranges.set(source.length === count * GRANT_STRIDE ? source : source.subarray(0, count * GRANT_STRIDE));
-  const nregs = regs.length;
-  const single = nregs === 1;
-  const limit0 = (regs[0] as Registration).byteLength;
-  const limit = single ? undefined : new Float64Array(nregs);
-  const lastEnd = single ? undefined : new Float64Array(nregs);
-  if (limit) for (let k = 0; k < nregs; k++) limit[k] = (regs[k] as Registration).byteLength;
-  const runs: number[] = [];
-  let runLen = 0;
-  let runCount = 0;
-  let end0 = 0;
-  let ordered = true;
-  let bytes = 0;
-  for (let i = 0, at = 0; i < count; i++, at += GRANT_STRIDE) {
-    const r = ranges[at] as number;
-    const off = ranges[at + 1] as number;
-    const len = ranges[at + 2] as number;
-    // NaN fails every comparison; trunc refuses fractions; off + len <= limit keeps it safe.
-    if (
-      !(
-        (single ? r === 0 : r >= 0 && r < nregs && Math.trunc(r) === r) &&
-        off >= 0 &&
-        len >= 1 &&
-        off + len <= (single ? limit0 : ((limit as Float64Array)[r] as number)) &&
-        Math.trunc(off) === off &&
-        Math.trunc(len) === len
-      )
-    ) {
-      throw new InvalidInputError(`ranges[${i}] (${String(off)}+${String(len)} of registration ${String(r)}) is empty or outside its registration`, {
-        details: { field: 'ranges', range: i },
-      });
-    }
-    if (single) {
-      if (off < end0) ordered = false;
-      else end0 = off + len;
-    } else if (off < ((lastEnd as Float64Array)[r] as number)) ordered = false;
-    else (lastEnd as Float64Array)[r] = off + len;
-    if (len !== runLen) {
-      if (runCount > 0) runs.push(runLen, runCount);
-      runLen = len;
-      runCount = 0;
-    }
-    runCount++;
-    bytes += len;
-  }
-  runs.push(runLen, runCount);
-  if (!ordered && grantRangesOverlap(ranges, count, nregs)) {
-    const overlap = findGrantOverlap(ranges, count) as [number, number];
-    throw new InvalidInputError(`ranges[${overlap[0]}] overlaps ranges[${overlap[1]}]`, { details: { field: 'ranges', range: overlap[0] } });
-  }
-  return { bytes, runs };
-}
-
-/** Two granted ranges of one registration sharing a byte, as [later, earlier], or undefined (the error path: objects and closures are fine here). */
-function findGrantOverlap(ranges: Float64Array, count: number): [number, number] | undefined {
-  const order = Array.from({ length: count }, (_, i) => i);
-  const key = (i: number, f: number): number => ranges[i * GRANT_STRIDE + f] as number;
-  order.sort((a, b) => key(a, GrantField.Handle) - key(b, GrantField.Handle) || key(a, GrantField.Offset) - key(b, GrantField.Offset) || a - b);
-  let best: [number, number] | undefined;
-  for (let k = 1; k < count; k++) {
-    const a = order[k - 1] as number;
-    const b = order[k] as number;
-    if (key(a, GrantField.Handle) === key(b, GrantField.Handle) && key(b, GrantField.Offset) < key(a, GrantField.Offset) + key(a, GrantField.Length)) {
-      const pair: [number, number] = [Math.max(a, b), Math.min(a, b)];
-      if (best === undefined || pair[0] < best[0]) best = pair;
-    }
-  }
-  return best;
 }
 
 
@@ -818,7 +712,9 @@ export class TransferEngine {
       kind = reg.memoryKind;
     }
     const ranges = owned ? source : rangeArray(count * GRANT_STRIDE);
-    const { bytes, runs } = checkGrantRanges(source, ranges, count, regs);
+    const limits = new Float64Array(regs.length);
+    for (let k = 0; k < regs.length; k++) limits[k] = (regs[k] as Registration).byteLength;
+    const { bytes, runs } = checkGrantRanges(source, ranges, count, limits);
     const wanted = options.transports ?? [...this.#transports.keys()];
     const entries = new Map<string, RegistrationEntry>();
     const skipped = new Map<string, string>();

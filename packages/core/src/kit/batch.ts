@@ -22,7 +22,7 @@ export interface FramePlan {
   readonly headEnd: number;
   /** The wire buffer is queued in a socket (a concurrent post of the same batch must use a copy). */
   busy: boolean;
-  /** Reads: where READV_DATA lands (indices into the batch's own range table). */
+  /** Reads: where READV_DATA lands, in order (locally contiguous ranges merged: {@link receiveList}). */
   readonly scatter: ScatterList | undefined;
 }
 
@@ -59,6 +59,54 @@ function isIndex(v: number, n: number): boolean {
 
 function isOffset(v: number): boolean {
   return Number.isSafeInteger(v) && v >= 0;
+}
+
+/**
+ * Where a read frame's data lands: its ranges in order, with ranges that follow each other in
+ * one local buffer (the next starts where the one before ends) merged into one entry. The
+ * response carries the ranges back to back, so a run of locally contiguous destinations (a KV
+ * fetch into consecutive blocks of one buffer, however scattered the remote blocks) is one
+ * destination: received straight into it when large enough, where each range alone would be
+ * staged and copied.
+ */
+export function receiveList(buffers: readonly Buffer[], r: Float64Array, start: number, end: number): ScatterList {
+  const m = receiveEntries(r, start, end);
+  const table = new Float64Array(m * 3);
+  let e = -1;
+  let lastBuf = -1;
+  let lastEnd = -1;
+  for (let i = start; i < end; i++) {
+    const at = i * RANGE_STRIDE;
+    const l = r[at + RangeField.Local] as number;
+    const lo = r[at + RangeField.LocalOffset] as number;
+    const len = r[at + RangeField.Length] as number;
+    if (l === lastBuf && lo === lastEnd) table[e * 3 + 2] = (table[e * 3 + 2] as number) + len;
+    else {
+      e++;
+      table[e * 3] = l;
+      table[e * 3 + 1] = lo;
+      table[e * 3 + 2] = len;
+      lastBuf = l;
+    }
+    lastEnd = lo + len;
+  }
+  return { buffers, table, stride: 3, bufferField: 0, offsetField: 1, lengthField: 2, first: 0, count: m };
+}
+
+/** How many entries {@link receiveList} makes of ranges [start, end): one per run of locally contiguous ranges. */
+function receiveEntries(r: Float64Array, start: number, end: number): number {
+  let m = 0;
+  let lastBuf = -1;
+  let lastEnd = -1;
+  for (let i = start; i < end; i++) {
+    const at = i * RANGE_STRIDE;
+    const l = r[at + RangeField.Local] as number;
+    const lo = r[at + RangeField.LocalOffset] as number;
+    if (l !== lastBuf || lo !== lastEnd) m++;
+    lastBuf = l;
+    lastEnd = lo + (r[at + RangeField.Length] as number);
+  }
+  return m;
 }
 
 /** The cached plan of `batch` for this table and chunk limit, or a fresh one. Throws InvalidInputError naming the range. */
@@ -125,9 +173,7 @@ export function planBatch(batch: TransferBatch, table: GrantTable, limits: Batch
       const at = i * RANGE_STRIDE;
       putRange(wire, used.length, i - start, tokenOf[r[at + RangeField.Remote] as number] as number, r[at + RangeField.RemoteRange] as number, r[at + RangeField.RemoteOffset] as number, r[at + RangeField.Length] as number);
     }
-    const scatter: ScatterList | undefined = write
-      ? undefined
-      : { buffers, table: r, stride: RANGE_STRIDE, bufferField: RangeField.Local, offsetField: RangeField.LocalOffset, lengthField: RangeField.Length, first: start, count };
+    const scatter: ScatterList | undefined = write ? undefined : receiveList(buffers, r, start, end);
     frames.push({ start, count, bytes, wire, headEnd: HEADER_BYTES + vecHeadBytes(used.length, count), busy: false, scatter });
     for (const m of used) tokenOf[m] = -1;
     used.length = 0;

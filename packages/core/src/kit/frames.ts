@@ -188,16 +188,35 @@ export function putToken(frame: Buffer, i: number, token: Uint8Array): void {
 export function putRange(frame: Buffer, tokenCount: number, i: number, tokenIndex: number, rangeIndex: number, offset: number, length: number): void {
   const at = HEADER_BYTES + VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * i;
   const high = Math.floor(offset / TWO_32);
-  frame.writeUInt16BE(tokenIndex, at + RangeEntry.Token);
-  frame.writeUInt16BE(0, at + RangeEntry.Reserved);
-  frame.writeUInt32BE(rangeIndex >>> 0, at + RangeEntry.Range);
-  frame.writeUInt32BE(length >>> 0, at + RangeEntry.Length);
-  frame.writeUInt32BE(high, at + RangeEntry.OffsetHigh);
-  frame.writeUInt32BE(offset - high * TWO_32, at + RangeEntry.OffsetLow);
+  // Byte stores, not Buffer#writeUInt*BE (argument validation per field): this runs per range.
+  put16(frame, at + RangeEntry.Token, tokenIndex);
+  put16(frame, at + RangeEntry.Reserved, 0);
+  put32(frame, at + RangeEntry.Range, rangeIndex >>> 0);
+  put32(frame, at + RangeEntry.Length, length >>> 0);
+  put32(frame, at + RangeEntry.OffsetHigh, high >>> 0);
+  put32(frame, at + RangeEntry.OffsetLow, (offset - high * TWO_32) >>> 0);
+}
+
+/** Big-endian u16 / u32 at `at` (inside `b`: the callers' frames and heads are sized or checked first). */
+function put16(b: Uint8Array, at: number, v: number): void {
+  b[at] = v >>> 8;
+  b[at + 1] = v;
+}
+function put32(b: Uint8Array, at: number, v: number): void {
+  b[at] = v >>> 24;
+  b[at + 1] = v >>> 16;
+  b[at + 2] = v >>> 8;
+  b[at + 3] = v;
+}
+function get16(b: Uint8Array, at: number): number {
+  return ((b[at] as number) << 8) | (b[at + 1] as number);
+}
+function get32(b: Uint8Array, at: number): number {
+  return (b[at] as number) * 0x1000000 + (((b[at + 1] as number) << 16) | ((b[at + 2] as number) << 8) | (b[at + 3] as number));
 }
 
 // Readers of a head (the body of a vector frame, from the counts on). The parser has checked
-// its structure (checkVecHead) before a sink sees it.
+// its structure (checkVecHead) before a sink sees it, so every field read is inside the head.
 export function headTokenCount(head: Buffer): number {
   return head.readUInt16BE(0);
 }
@@ -213,18 +232,18 @@ export function headRangeAt(tokenCount: number, i: number): number {
   return VEC_PREFIX_BYTES + TOKEN_BYTES * tokenCount + RANGE_ENTRY_BYTES * i;
 }
 export function rangeTokenIndex(head: Buffer, at: number): number {
-  return head.readUInt16BE(at + RangeEntry.Token);
+  return get16(head, at + RangeEntry.Token);
 }
 /** Which of its token's granted ranges the range is in (0 for a whole registration). */
 export function rangeGrantIndex(head: Buffer, at: number): number {
-  return head.readUInt32BE(at + RangeEntry.Range);
+  return get32(head, at + RangeEntry.Range);
 }
 /** The range's offset inside its granted range; may exceed 2^53 (then it is beyond every range anyway). */
 export function rangeOffset(head: Buffer, at: number): number {
-  return head.readUInt32BE(at + RangeEntry.OffsetHigh) * TWO_32 + head.readUInt32BE(at + RangeEntry.OffsetLow);
+  return get32(head, at + RangeEntry.OffsetHigh) * TWO_32 + get32(head, at + RangeEntry.OffsetLow);
 }
 export function rangeLength(head: Buffer, at: number): number {
-  return head.readUInt32BE(at + RangeEntry.Length);
+  return get32(head, at + RangeEntry.Length);
 }
 
 /** Why the counts at the start of a head are not acceptable for a body of `bodyLength` bytes, or undefined. */
@@ -256,9 +275,10 @@ export function checkVecHead(head: Buffer, dataLength: number): void {
   let sum = 0;
   let at = VEC_PREFIX_BYTES + TOKEN_BYTES * t;
   for (let i = 0; i < r; i++, at += RANGE_ENTRY_BYTES) {
-    if (head.readUInt16BE(at + RangeEntry.Token) >= t) throw new InvalidInputError(`range ${i} names token ${head.readUInt16BE(at + RangeEntry.Token)} of ${t}`, { details: { field: 'frame', range: i } });
-    if (head.readUInt16BE(at + RangeEntry.Reserved) !== 0) throw new InvalidInputError(`range ${i} has reserved bits set`, { details: { field: 'frame', range: i } });
-    sum += head.readUInt32BE(at + RangeEntry.Length);
+    // The length check above keeps every read inside the head.
+    if (get16(head, at + RangeEntry.Token) >= t) throw new InvalidInputError(`range ${i} names token ${get16(head, at + RangeEntry.Token)} of ${t}`, { details: { field: 'frame', range: i } });
+    if (get16(head, at + RangeEntry.Reserved) !== 0) throw new InvalidInputError(`range ${i} has reserved bits set`, { details: { field: 'frame', range: i } });
+    sum += get32(head, at + RangeEntry.Length);
   }
   if (dataLength >= 0 && sum !== dataLength) {
     throw new InvalidInputError(`WRITEV ranges add up to ${sum} bytes but the frame carries ${dataLength}`, { details: { field: 'frame' } });

@@ -4,11 +4,12 @@
  *
  * Requesting: a stream batch becomes the frames of its {@link BatchPlan} (cached per batch
  * object), one pending entry per frame, one promise per `run()` call settled by counting frames.
- * Receiving: on sockets opened with `onread` ({@link FramedStream.nextReadBuffer}), a destination
- * range with at least `directMinBytes` still to come is handed to libuv itself; small ranges are
+ * Receiving: a frame's destinations that follow each other in one local buffer are one entry of
+ * its receive list (batch.ts). On sockets opened with `onread` ({@link FramedStream.nextReadBuffer}),
+ * an entry with at least `directMinBytes` still to come is handed to libuv itself; small ones are
  * read many at a time into a staging buffer and copied out (a staged read stops where a large
- * range starts). Other sockets copy once from Node's buffers straight into each range. The
- * parser walks the batch's own range table by index: no object per range.
+ * range starts). Other sockets copy once from Node's buffers straight into each entry. The
+ * parser walks the receive list (a typed table) by index: no object per range.
  *
  * Serving: every range of a frame is checked against the grant table before any byte is sent or
  * accepted; a READV is answered with one READV_DATA (ranges under `zeroCopyMinBytes` coalesced
