@@ -121,7 +121,8 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
         ranges[at + 1] = offset;
         ranges[at + 2] = r.length ?? r.registration.byteLength - offset;
       }
-      grant = await engine.grant({ registrations, ranges }, options.transports ? { transports: options.transports } : {});
+      // The array is this lease's alone: the engine may take it instead of copying it.
+      grant = await engine.grant({ registrations, ranges, transfer: true }, options.transports ? { transports: options.transports } : {});
     } catch (e) {
       failed++;
       slots.delete(sessionId);
