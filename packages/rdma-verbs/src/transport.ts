@@ -43,6 +43,7 @@ import {
   TimedOutError,
   TRANSPORT_SPECIFICATION_VERSION,
   errorFromSignal,
+  kit,
   silentLogger,
   toTensorwireError,
   type CudaMemory,
@@ -52,6 +53,7 @@ import {
   type Logger,
   type Memory,
   type MemoryKind,
+  type MetricsOptions,
   type NodeIdentity,
   type TensorwireError,
   type TransferBatch,
@@ -197,6 +199,13 @@ export interface RdmaTransportOptions {
   /** Export CUDA memory as a dma-buf; enables `cuda` memory when libibverbs has ibv_reg_dmabuf_mr. */
   cudaDmabuf?: (memory: CudaMemory) => CudaDmabufExport;
   logger?: Logger;
+  /**
+   * Where to count peer events, or false: `tensorwire_transport_peer_events_total{transport="rdma",event}`
+   * (the counter the TCP, Unix-socket and cuda-ipc transports use), `event` being the
+   * {@link BoundReason} of a dropped connection or the code of a refused handshake. Default: a
+   * private Registry (`transport.metrics.registry`).
+   */
+  metrics?: MetricsOptions | false;
 }
 
 const ACCESS = Access.LocalWrite | Access.RemoteRead | Access.RemoteWrite;
@@ -2031,8 +2040,11 @@ export class RdmaTransport implements Transport {
   readonly grantRevokeTimeoutMs: number;
   /** The control channel's bounds (options.limits over DEFAULT_CONTROL_LIMITS). */
   readonly limits: RdmaControlLimits;
-  readonly #peerDisconnects: Record<string, number> = {};
-  readonly #handshakeRefusals: Record<string, number> = {};
+  /** Where peer events are counted in prom-client ({@link RdmaTransportOptions.metrics}); undefined when off. */
+  readonly metrics: kit.KitMetrics | undefined;
+  /** Connections dropped over a bound, and handshakes refused: counted, logged at most once a second per kind. */
+  readonly #peerDisconnects: kit.PeerEvents<BoundReason>;
+  readonly #handshakeRefusals: kit.PeerEvents<string>;
   /** GRANT_BINDs this transport has sent, over all its connections (one per range grant and connection; for tests and diagnostics). */
   grantBindsSent = 0;
   readonly #registrations = new Set<RdmaRegistration>();
@@ -2045,6 +2057,11 @@ export class RdmaTransport implements Transport {
   constructor(options: RdmaTransportOptions = {}) {
     this.#options = options;
     this.logger = options.logger ?? silentLogger;
+    this.metrics = kit.kitMetrics(options.metrics);
+    const counter = this.metrics?.peerEvents;
+    this.#peerDisconnects = new kit.PeerEvents<BoundReason>({ transport: this.name, counter, texts: (reason) => ({ level: 'warn', text: `rdma peer disconnected: ${reason}` }) });
+    // `busy` is backpressure (the peer retries); the other refusals say something is wrong.
+    this.#handshakeRefusals = new kit.PeerEvents<string>({ transport: this.name, counter, texts: (code) => ({ level: code === 'busy' ? 'info' : 'warn', text: `rdma handshake refused: ${code}` }) });
     const qps = options.queuePairsPerPeer ?? 2;
     if (!Number.isInteger(qps) || qps < 1 || qps > MAX_QPS_PER_PEER) {
       throw new InvalidInputError(`queuePairsPerPeer must be 1..${MAX_QPS_PER_PEER}`, { details: { field: 'queuePairsPerPeer' } });
@@ -2135,21 +2152,26 @@ export class RdmaTransport implements Transport {
 
   /**
    * Connections dropped because a peer went past a bound of the control channel, by reason
-   * ({@link BoundReason}); each is also logged (warn) with the peer and the numbers.
+   * ({@link BoundReason}); each is also logged (warn, at most once a second per reason, with
+   * the number left out since the last line) with the peer and the numbers, and counted in
+   * {@link metrics}.
    */
   get peerDisconnects(): Readonly<Record<string, number>> {
-    return { ...this.#peerDisconnects };
+    return this.#peerDisconnects.counts();
   }
 
-  /** Inbound handshakes refused, by the code sent to the peer (`busy`, `too-many-connections`, `bad-lid`, …). */
+  /**
+   * Inbound handshakes refused, by the code sent to the peer (`busy`, `too-many-connections`,
+   * `bad-lid`, …); each is also logged (`busy` at info, the others warn; at most once a second
+   * per code) and counted in {@link metrics}.
+   */
   get handshakeRefusals(): Readonly<Record<string, number>> {
-    return { ...this.#handshakeRefusals };
+    return this.#handshakeRefusals.counts();
   }
 
   /** @internal A peer went past a bound: log it and count it. */
   overBound(peer: NodeIdentity | undefined, reason: BoundReason, message: string): void {
-    this.#peerDisconnects[reason] = (this.#peerDisconnects[reason] ?? 0) + 1;
-    this.logger.warn(`rdma peer disconnected: ${reason}`, { peer: peer === undefined ? undefined : `${peer.nodeId}/${peer.incarnation}`, reason: message });
+    this.#peerDisconnects.record(reason, peer === undefined ? undefined : `${peer.nodeId}/${peer.incarnation}`, message, this.logger);
   }
 
   /** @internal Completion routes (CQ id → connection) this transport holds (for tests and diagnostics). */
@@ -2714,8 +2736,9 @@ export class RdmaTransport implements Transport {
     const deadline = Date.now() + (this.#options.handshakeTimeoutMs ?? 10_000);
     let q: Queues | undefined;
     let admitted: string | undefined;
+    let from: string | undefined;
     const reject = (code: string, message: string): void => {
-      this.#handshakeRefusals[code] = (this.#handshakeRefusals[code] ?? 0) + 1;
+      this.#handshakeRefusals.record(code, from, message, this.logger);
       control.send({ type: 'reject', code, message });
       control.end();
       setTimeout(() => control.socket.destroy(), 1_000).unref();
@@ -2723,6 +2746,7 @@ export class RdmaTransport implements Transport {
     try {
       const hello = await control.next(undefined, deadline, 'rdma accept handshake');
       if (hello.type !== 'hello') return reject('protocol', `expected hello, got ${hello.type}`);
+      from = `${hello.setup.identity.nodeId}/${hello.setup.identity.incarnation}`;
       const { device, native, host } = this.#requireStarted();
       if (hello.target.nodeId !== host.identity.nodeId || hello.target.incarnation !== host.identity.incarnation) {
         return reject('stale-endpoint', `this is ${host.identity.nodeId}/${host.identity.incarnation}, not ${hello.target.nodeId}/${hello.target.incarnation}`);

@@ -9,6 +9,9 @@
  * - `batch`: per-batch plans (checked ranges, encoded request frames), cached per batch object.
  * - `stream` / `connection`: one socket's requester and responder; N streams grouped into a
  *   connection with GOAWAY/retire, close and quiesce, onClose exactly once.
+ * - `peer-events`: {@link PeerEvents}, the bounds applied to peers counted per kind, logged at
+ *   most once a second per kind (with the number left out), and counted in prom-client
+ *   ({@link KitMetrics}); the kit's transports, cuda-ipc and rdma-verbs use it.
  * - `transport`: {@link StreamTransport}, the base class; a subclass provides `listen`,
  *   `dialTarget` and `unreachableReason` (see the Unix-socket transport, uds/transport.ts).
  */
@@ -18,4 +21,5 @@ export * from './grants.js';
 export * from './batch.js';
 export * from './stream.js';
 export * from './connection.js';
+export * from './peer-events.js';
 export * from './transport.js';

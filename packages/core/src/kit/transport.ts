@@ -37,7 +37,6 @@ import {
   toTensorwireError,
 } from '../errors.js';
 import type { Logger } from '../logger.js';
-import { Counter, Registry } from 'prom-client';
 import type { MetricsOptions } from '../metrics.js';
 import {
   TRANSPORT_SPECIFICATION_VERSION,
@@ -55,6 +54,7 @@ import {
 import { KitConnection, type ConnectionHost } from './connection.js';
 import { FrameParser, FrameType, decodeError, encodeError } from './frames.js';
 import { GrantTable } from './grants.js';
+import { PeerEvents, kitMetrics, type KitMetrics, type PeerEventText } from './peer-events.js';
 import { CONNECTION_ID_BYTES, HandshakeCodec, RefusalCode, ackProblem, helloRefusal, type Hello, type HelloAck } from './handshake.js';
 import { DEFAULT_TUNING, FramedStream, PeerLedger, SendBufferPool, type PeerEvent, type StreamContext, type StreamTuning } from './stream.js';
 
@@ -90,27 +90,8 @@ export interface StreamTransportOptions {
   metrics?: MetricsOptions | false;
 }
 
-/** The kit's metrics: bounds and policies applied to peers. Transports sharing a registry share the counter. */
-export class KitMetrics {
-  readonly registry: Registry;
-  readonly peerEvents: Counter<'transport' | 'event'>;
-  constructor(options: MetricsOptions = {}) {
-    const registry = options.registry ?? new Registry();
-    const name = `${options.prefix ?? 'tensorwire_'}transport_peer_events_total`;
-    this.registry = registry;
-    this.peerEvents =
-      (registry.getSingleMetric(name) as Counter<'transport' | 'event'> | undefined) ??
-      new Counter({
-        name,
-        help: 'Bounds and policies applied to peers: request_queue (connection closed), protocol_violation (closed), connections, peer_connections and pending_handshakes (new connection refused BUSY), handshake_timeout (closed), idle (retired)',
-        labelNames: ['transport', 'event'],
-        registers: [registry],
-      });
-  }
-}
-
-/** How each peer event is logged. */
-const PEER_EVENT_TEXT: Record<PeerEvent, { readonly level: 'warn' | 'info'; readonly text: string }> = {
+/** How each peer event is logged (after the transport's name). */
+const PEER_EVENT_TEXT: Record<PeerEvent, PeerEventText> = {
   request_queue: { level: 'warn', text: 'peer disconnected: request queue over its bound' },
   protocol_violation: { level: 'warn', text: 'peer disconnected: protocol violation' },
   connections: { level: 'warn', text: 'connection refused: too many inbound connections' },
@@ -119,8 +100,6 @@ const PEER_EVENT_TEXT: Record<PeerEvent, { readonly level: 'warn' | 'info'; read
   handshake_timeout: { level: 'warn', text: 'connection closed: handshake not finished in time' },
   idle: { level: 'info', text: 'idle connection retired' },
 };
-/** Each kind of peer event is logged at most this often (all are counted). */
-const PEER_EVENT_LOG_INTERVAL_MS = 1000;
 
 /** What a subclass fixes about itself. */
 export interface StreamTransportProfile {
@@ -196,9 +175,8 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
   #inbound = 0;
   /** Accepted sockets that have not joined a connection yet (no accepted HELLO). */
   #handshaking = 0;
-  readonly #eventCounts: PeerEventCounts = { request_queue: 0, protocol_violation: 0, connections: 0, peer_connections: 0, pending_handshakes: 0, handshake_timeout: 0, idle: 0 };
-  readonly #lastLogged = new Map<PeerEvent, number>();
-  readonly #suppressed = new Map<PeerEvent, number>();
+  /** Counted, logged at most once a second per kind, and counted in {@link KitMetrics}. */
+  readonly #peerEvents: PeerEvents<PeerEvent>;
   #server: net.Server | undefined;
   #host: TransportHost | undefined;
   #endpoint: Uint8Array | undefined;
@@ -226,7 +204,10 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
     this.maxConnections = positiveInt('maxConnections', options.maxConnections ?? 1024);
     this.maxConnectionsPerPeer = positiveInt('maxConnectionsPerPeer', options.maxConnectionsPerPeer ?? 8);
     this.idleTimeoutMs = positiveInt('idleTimeoutMs', options.idleTimeoutMs ?? 300_000);
-    this.metrics = options.metrics === false ? undefined : new KitMetrics(options.metrics ?? {});
+    this.metrics = kitMetrics(options.metrics);
+    const texts = {} as Record<PeerEvent, PeerEventText>;
+    for (const [k, { level, text }] of Object.entries(PEER_EVENT_TEXT)) texts[k as PeerEvent] = { level, text: `${profile.name} ${text}` };
+    this.#peerEvents = new PeerEvents({ transport: profile.name, texts, counter: this.metrics?.peerEvents });
     this.tuning = Object.freeze({ ...DEFAULT_TUNING, ...profile.tuning });
     this.grants = new GrantTable({ transport: profile.name, revokeGraceMs: this.revokeGraceMs });
     this.sendBuffers = new SendBufferPool(this.tuning.frameTargetBytes);
@@ -295,7 +276,7 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
 
   /** How often each peer event happened (also counted in {@link KitMetrics}). */
   get peerEventCounts(): Readonly<PeerEventCounts> {
-    return { ...this.#eventCounts };
+    return this.#peerEvents.counts();
   }
 
   /** What a peer holds in the responder now (undefined: no connection with it). For diagnostics and tests. */
@@ -315,22 +296,8 @@ export abstract class StreamTransport implements Transport, StreamContext, Conne
   }
 
   peerEvent(event: PeerEvent, peer: string | undefined, message: string): void {
-    this.#eventCounts[event]++;
-    this.metrics?.peerEvents.inc({ transport: this.name, event });
-    const logger = this.logger;
-    if (!logger) return;
     // A flood of refusals is counted in full but logged at most once a second per kind.
-    const now = Date.now();
-    const last = this.#lastLogged.get(event);
-    if (last !== undefined && now - last < PEER_EVENT_LOG_INTERVAL_MS) {
-      this.#suppressed.set(event, (this.#suppressed.get(event) ?? 0) + 1);
-      return;
-    }
-    this.#lastLogged.set(event, now);
-    const suppressed = this.#suppressed.get(event) ?? 0;
-    this.#suppressed.delete(event);
-    const { level, text } = PEER_EVENT_TEXT[event];
-    logger[level](`${this.name} ${text}`, { event, peer, reason: message, ...(suppressed > 0 ? { suppressed } : {}) });
+    this.#peerEvents.record(event, peer, message, this.logger);
   }
 
   forget(conn: KitConnection): void {
