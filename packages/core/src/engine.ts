@@ -13,6 +13,7 @@
  *   after every chunk has quiesced.
  */
 import { randomBytes } from 'node:crypto';
+import { getEventListeners } from 'node:events';
 import { deferred, raceSignal, sleep, type Deferred } from './deferred.js';
 import {
   MAX_GRANT_RANGES,
@@ -154,8 +155,13 @@ export class PreparedTransfer {
   /** Ranges after adjacent requests were merged. */
   readonly ranges: number;
   readonly #post: (self: PreparedTransfer, options: TransferOptions) => Promise<TransferReport>;
-  readonly #inFlight = new Set<Promise<unknown>>();
+  /** Posts in flight, and what close() waits on once they are. */
+  #inFlight = 0;
+  #drained: Deferred<void> | undefined;
   #closed: Promise<void> | undefined;
+  readonly #settled = (): void => {
+    if (--this.#inFlight === 0) this.#drained?.resolve();
+  };
 
   /** @internal */
   constructor(
@@ -182,17 +188,16 @@ export class PreparedTransfer {
   run(options: TransferOptions = {}): Promise<TransferReport> {
     if (this.#closed) return Promise.reject(new ClosedError('prepared transfer was disposed'));
     const p = this.#post(this, options);
-    this.#inFlight.add(p);
-    const done = (): void => {
-      this.#inFlight.delete(p);
-    };
-    p.then(done, done);
+    this.#inFlight++;
+    p.then(this.#settled, this.#settled);
     return p;
   }
 
   /** Dispose: later posts fail with ClosedError; resolves once posts in flight settled. Idempotent. */
   close(): Promise<void> {
-    this.#closed ??= Promise.allSettled([...this.#inFlight]).then(() => undefined);
+    if (this.#closed) return this.#closed;
+    if (this.#inFlight === 0) this.#closed = Promise.resolve();
+    else this.#closed = (this.#drained = deferred<void>()).promise;
     return this.#closed;
   }
 
@@ -392,6 +397,13 @@ export class Grant {
   }
 }
 
+/** Labelled metric children the per-post path updates. */
+interface HotMetrics {
+  readonly bytes: { inc(v: number): void };
+  readonly ok: { inc(v: number): void };
+  readonly duration: { observe(v: number): void };
+}
+
 /** One entry of the connection table: the engine's state for one peer on one transport. */
 class PeerConnection {
   readonly key: string;
@@ -404,6 +416,9 @@ class PeerConnection {
   inFlight = 0;
   /** Set when this connection was torn down by an error (prepared transfers on it are invalid). */
   brokenBy: TensorwireError | undefined;
+  /** The engine's labelled metric children for posts on this entry, by direction (made on first use). */
+  hotRead: HotMetrics | undefined;
+  hotWrite: HotMetrics | undefined;
   constructor(key: string, peer: NodeIdentity, transport: Transport) {
     this.key = key;
     this.peer = peer;
@@ -434,6 +449,8 @@ interface Split {
   readonly conn: TransportConnection;
   readonly batches: readonly (TransferBatch | undefined)[];
   readonly chunks: number;
+  /** The one stream with work when only one has (the common small post), else -1. */
+  readonly only: number;
 }
 
 const EMPTY_LENGTHS = new Float64Array(0);
@@ -523,6 +540,194 @@ function normalizeGrantSpec(spec: GrantSpec, max: number): { regs: readonly Regi
 
 const DEFAULT_CHUNK = 1024 * 1024;
 const MAX_TIMER_MS = 0x7fffffff;
+
+/**
+ * The deadline and abort state of one call in flight: the AbortSignal its transports see
+ * (fires on the caller's abort, the deadline or engine close), its place in the engine's
+ * deadline heap, and itself as the listener on the caller's signal (no closure per call).
+ */
+class Deadline {
+  ac: AbortController;
+  deadline = 0;
+  started = 0;
+  user: AbortSignal | undefined = undefined;
+  /** Position in the engine's deadline heap; -1 when not in it. */
+  index = -1;
+  constructor(ac: AbortController) {
+    this.ac = ac;
+  }
+  get signal(): AbortSignal {
+    return this.ac.signal;
+  }
+  expire(): void {
+    this.ac.abort(new TimedOutError(`deadline passed (${Math.max(0, Math.round(this.deadline - this.started))} ms after the call)`));
+  }
+  /** The caller's signal fired. */
+  handleEvent(): void {
+    this.ac.abort(errorFromSignal(this.user as AbortSignal, 'transfer'));
+  }
+}
+
+/** Idle Deadline records kept for reuse (their signals never fired and have no listeners). */
+const DEADLINE_POOL = 64;
+
+/**
+ * Every call's deadline on one timer: a binary min-heap of the calls in flight by deadline,
+ * and one Node timer armed for the earliest. A call that ends is taken out of the heap
+ * (O(log n)); the timer is left armed (Node timers are costly to create and clear) but
+ * unreferenced once no call is in flight, so it never keeps the process alive for nothing;
+ * when it fires it expires what is due and re-arms for the next deadline, or ends when
+ * nothing is in flight. `close()` clears it.
+ */
+class DeadlineHeap {
+  readonly #heap: Deadline[] = [];
+  readonly #pool: Deadline[] = [];
+  #timer: NodeJS.Timeout | undefined;
+  /** When the armed timer fires (Date.now() ms); +Infinity when none is armed. */
+  #timerAt = Number.POSITIVE_INFINITY;
+  readonly #onTimer = (): void => this.#fire();
+
+  /** Calls in flight (not yet expired). */
+  get size(): number {
+    return this.#heap.length;
+  }
+  /** Whether an engine timer exists (armed, referenced only while calls are in flight). */
+  get timerArmed(): boolean {
+    return this.#timer !== undefined;
+  }
+  /** Idle records ready for reuse. */
+  get pooled(): number {
+    return this.#pool.length;
+  }
+
+  begin(deadline: number, now: number, user: AbortSignal | undefined): Deadline {
+    const d = this.#pool.pop() ?? new Deadline(new AbortController());
+    d.deadline = deadline;
+    d.started = now;
+    if (deadline <= now) d.expire();
+    else this.#push(d, now);
+    if (user) {
+      d.user = user;
+      if (user.aborted) d.handleEvent();
+      else user.addEventListener('abort', d, { once: true });
+    }
+    return d;
+  }
+
+  end(d: Deadline): void {
+    if (d.index >= 0) this.#remove(d.index);
+    const user = d.user;
+    if (user) {
+      user.removeEventListener('abort', d);
+      d.user = undefined;
+    }
+    if (this.#heap.length === 0) this.#timer?.unref();
+    // Reuse the record and its AbortController only when nothing can tell: its signal never
+    // fired and no listener (the engine's or a transport's) is left on it.
+    const signal = d.ac.signal;
+    if (!signal.aborted && getEventListeners(signal, 'abort').length === 0 && this.#pool.length < DEADLINE_POOL) this.#pool.push(d);
+  }
+
+  /** Abort every call in flight with `reason` and drop the timer. */
+  abortAll(reason: TensorwireError): void {
+    for (const d of this.#heap.splice(0)) {
+      d.index = -1;
+      d.ac.abort(reason);
+    }
+    this.#clearTimer();
+  }
+
+  #clearTimer(): void {
+    if (this.#timer) clearTimeout(this.#timer);
+    this.#timer = undefined;
+    this.#timerAt = Number.POSITIVE_INFINITY;
+  }
+
+  #arm(now: number): void {
+    const first = this.#heap[0];
+    if (!first) {
+      this.#clearTimer();
+      return;
+    }
+    if (this.#timer && this.#timerAt <= first.deadline) {
+      // Armed early enough already (it re-arms when it fires).
+      this.#timer.ref();
+      return;
+    }
+    if (this.#timer) clearTimeout(this.#timer);
+    // setTimeout holds at most 2^31-1 ms: a longer deadline re-arms when this one fires.
+    const ms = Math.min(first.deadline - now, MAX_TIMER_MS);
+    this.#timer = setTimeout(this.#onTimer, ms);
+    this.#timerAt = now + ms;
+  }
+
+  #fire(): void {
+    this.#timer = undefined;
+    this.#timerAt = Number.POSITIVE_INFINITY;
+    const now = Date.now();
+    // Earliest first: calls time out in deadline order.
+    for (let d = this.#heap[0]; d !== undefined && d.deadline <= now; d = this.#heap[0]) {
+      this.#remove(0);
+      d.expire();
+    }
+    this.#arm(now);
+  }
+
+  #push(d: Deadline, now: number): void {
+    const heap = this.#heap;
+    d.index = heap.length;
+    heap.push(d);
+    this.#up(d.index);
+    if (heap[0] === d || this.#timer === undefined || heap.length === 1) this.#arm(now);
+  }
+
+  #remove(i: number): void {
+    const heap = this.#heap;
+    const d = heap[i] as Deadline;
+    const last = heap.pop() as Deadline;
+    d.index = -1;
+    if (last !== d) {
+      heap[i] = last;
+      last.index = i;
+      this.#up(i);
+      this.#down(last.index);
+    }
+  }
+
+  #up(i: number): void {
+    const heap = this.#heap;
+    const d = heap[i] as Deadline;
+    while (i > 0) {
+      const p = (i - 1) >> 1;
+      const parent = heap[p] as Deadline;
+      if (parent.deadline <= d.deadline) break;
+      heap[i] = parent;
+      parent.index = i;
+      i = p;
+    }
+    heap[i] = d;
+    d.index = i;
+  }
+
+  #down(i: number): void {
+    const heap = this.#heap;
+    const n = heap.length;
+    const d = heap[i] as Deadline;
+    for (;;) {
+      const l = 2 * i + 1;
+      if (l >= n) break;
+      const r = l + 1;
+      const c = r < n && (heap[r] as Deadline).deadline < (heap[l] as Deadline).deadline ? r : l;
+      const child = heap[c] as Deadline;
+      if (child.deadline >= d.deadline) break;
+      heap[i] = child;
+      child.index = i;
+      i = c;
+    }
+    heap[i] = d;
+    d.index = i;
+  }
+}
 
 function connectionKey(nodeId: string, transport: string): string {
   // nodeId cannot contain '/', so the key is unambiguous.
@@ -835,12 +1040,12 @@ export class TransferEngine {
     const ex = this.#explain(ep, [options.memoryKind ?? 'host']);
     if (!ex.chosen) throw new BackendUnavailableError(ex.reason, { details: { peer: ep.identity.nodeId } });
     const t = this.#transports.get(ex.chosen) as Transport;
-    const { signal, dispose } = this.#deadlineSignal(options);
+    const dl = this.#deadlineSignal(options);
     try {
-      const pc = await this.#connection(ep, t, signal);
+      const pc = await this.#connection(ep, t, dl.signal);
       return this.#info(pc);
     } finally {
-      dispose();
+      this.#deadlines.end(dl);
     }
   }
 
@@ -874,6 +1079,7 @@ export class TransferEngine {
 
   async #close(): Promise<void> {
     for (const ac of this.#inflight) ac.abort(new ClosedError('engine closed'));
+    this.#deadlines.abortAll(new ClosedError('engine closed'));
     const entries = [...this.#table.values()];
     this.#table.clear();
     await Promise.allSettled(entries.map((pc) => this.#dispose(pc, new ClosedError('engine closed'), 'closed')));
@@ -970,46 +1176,32 @@ export class TransferEngine {
     }
   }
 
-  #deadlineSignal(options: TransferOptions, defaultMs = this.defaultTimeoutMs): { signal: AbortSignal; deadline: number; dispose(): void } {
+  /** Calls in flight by deadline, on one engine timer. */
+  readonly #deadlines = new DeadlineHeap();
+
+  /**
+   * Start a call's deadline: its signal fires on the caller's abort (AbortedError), the
+   * deadline (TimedOutError) or engine close (ClosedError). End it with `#deadlines.end()`.
+   */
+  #deadlineSignal(options: TransferOptions, defaultMs = this.defaultTimeoutMs): Deadline {
     const timeoutMs = options.timeoutMs ?? defaultMs;
     if (!(typeof timeoutMs === 'number' && timeoutMs > 0 && Number.isFinite(timeoutMs))) {
       throw new InvalidInputError(`timeoutMs must be a positive finite number, got ${String(timeoutMs)}`, { details: { field: 'timeoutMs' } });
     }
-    let deadline = Date.now() + timeoutMs;
+    const now = Date.now();
+    let deadline = now + timeoutMs;
     if (options.deadline !== undefined) {
       if (typeof options.deadline !== 'number' || !Number.isFinite(options.deadline)) {
         throw new InvalidInputError('deadline must be a finite Date.now() timestamp', { details: { field: 'deadline' } });
       }
       deadline = Math.min(deadline, options.deadline);
     }
-    const ac = new AbortController();
-    this.#inflight.add(ac);
-    const expire = (): void => ac.abort(new TimedOutError(`deadline passed (${Math.max(0, Math.round(deadline - started))} ms after the call)`));
-    const started = Date.now();
-    if (deadline <= started) expire();
-    // setTimeout holds at most 2^31-1 ms: longer deadlines re-arm.
-    let timer: NodeJS.Timeout;
-    const arm = (): void => {
-      const left = deadline - Date.now();
-      if (left <= 0) expire();
-      else timer = setTimeout(left > MAX_TIMER_MS ? arm : expire, Math.min(left, MAX_TIMER_MS));
-    };
-    arm();
-    const user = options.signal;
-    const onUser = (): void => ac.abort(errorFromSignal(user as AbortSignal, 'transfer'));
-    if (user) {
-      if (user.aborted) onUser();
-      else user.addEventListener('abort', onUser, { once: true });
-    }
-    return {
-      signal: ac.signal,
-      deadline,
-      dispose: () => {
-        clearTimeout(timer);
-        user?.removeEventListener('abort', onUser);
-        this.#inflight.delete(ac);
-      },
-    };
+    return this.#deadlines.begin(deadline, now, options.signal);
+  }
+
+  /** @internal For tests: calls in flight on the deadline heap, whether the engine timer exists, idle records pooled. */
+  get deadlineState(): { readonly inFlight: number; readonly timer: boolean; readonly pooled: number } {
+    return { inFlight: this.#deadlines.size, timer: this.#deadlines.timerArmed, pooled: this.#deadlines.pooled };
   }
 
   async #transfer(
@@ -1021,7 +1213,9 @@ export class TransferEngine {
     this.#assertOpen();
     await this.start();
     const plan = this.#plan(op, peerArg, requests);
-    const { signal, deadline, dispose } = this.#deadlineSignal(options);
+    const dl = this.#deadlineSignal(options);
+    const signal = dl.signal;
+    const deadline = dl.deadline;
     try {
       for (let attempt = 0; ; attempt++) {
         let pc = await this.#connection(plan.ep, plan.transport, signal);
@@ -1037,7 +1231,7 @@ export class TransferEngine {
         }
       }
     } finally {
-      dispose();
+      this.#deadlines.end(dl);
     }
   }
 
@@ -1059,12 +1253,12 @@ export class TransferEngine {
   }
 
   #preparedCounter = 0;
-  readonly #preparedState = new WeakMap<PreparedTransfer, { pc: PeerConnection | undefined; split: Split | undefined; first: number; broken: TensorwireError | undefined }>();
+  readonly #preparedState = new WeakMap<PreparedTransfer, { pc: PeerConnection | undefined; split: Split | undefined; first: number; broken: TensorwireError | undefined; readonly key: string }>();
 
   async #runPrepared(self: PreparedTransfer, plan: Plan, options: TransferOptions): Promise<TransferReport> {
     this.#assertOpen();
     let state = this.#preparedState.get(self);
-    if (!state) this.#preparedState.set(self, (state = { pc: undefined, split: undefined, first: this.#preparedCounter++ % 64, broken: undefined }));
+    if (!state) this.#preparedState.set(self, (state = { pc: undefined, split: undefined, first: this.#preparedCounter++ % 64, broken: undefined, key: connectionKey(plan.ep.identity.nodeId, plan.transport.name) }));
     if (state.broken) throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { cause: state.broken, details: { peer: plan.ep.identity.nodeId } });
     // What can change between posts, checked per distinct registration, not per range.
     for (let i = 0; i < plan.localRegs.length; i++) {
@@ -1073,7 +1267,7 @@ export class TransferEngine {
         throw new InvalidInputError(`requests[${plan.localFirst[i] as number}].local (${reg.id}) was revoked`, { details: { field: 'local', request: plan.localFirst[i] } });
       }
     }
-    const current = this.#table.get(connectionKey(plan.ep.identity.nodeId, plan.transport.name));
+    const current = this.#table.get(state.key);
     if (current && current.peer.incarnation !== plan.ep.identity.incarnation) {
       state.broken = new ConnectionBrokenError(`peer ${plan.ep.identity.nodeId} restarted (incarnation changed)`);
       throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { details: { peer: plan.ep.identity.nodeId } });
@@ -1083,7 +1277,9 @@ export class TransferEngine {
       state.broken = old.brokenBy;
       throw new ConnectionBrokenError(`prepared transfer is invalidated: its connection broke (${old.brokenBy.message})`, { cause: old.brokenBy, details: { peer: plan.ep.identity.nodeId } });
     }
-    const { signal, deadline, dispose } = this.#deadlineSignal(options);
+    const dl = this.#deadlineSignal(options);
+    const signal = dl.signal;
+    const deadline = dl.deadline;
     try {
       for (let attempt = 0; ; attempt++) {
         const prev = state.pc;
@@ -1105,7 +1301,7 @@ export class TransferEngine {
       if (e instanceof TensorwireError && e.breaksConnection && state.pc?.brokenBy) state.broken = state.pc.brokenBy;
       throw e;
     } finally {
-      dispose();
+      this.#deadlines.end(dl);
     }
   }
 
@@ -1290,26 +1486,51 @@ export class TransferEngine {
     const streams = Math.max(1, conn.streams);
     const cap = Math.min(this.chunkBytes, plan.transport.capabilities.maxChunkBytes, conn.maxChunkBytes ?? Number.POSITIVE_INFINITY);
     const { batches, chunks } = splitIntoBatches(plan.op, plan.locals, plan.remotes, plan.ranges, plan.count, cap, streams, first % streams);
-    return { conn, batches, chunks };
+    let only = -1;
+    for (let s = 0; s < batches.length; s++) {
+      if (batches[s] === undefined) continue;
+      if (only !== -1) {
+        only = -1;
+        break;
+      }
+      only = s;
+    }
+    return { conn, batches, chunks, only };
   }
 
   /** Post a split on its connection: one execute per stream; settles after every stream has. */
   async #post(plan: Plan, pc: PeerConnection, conn: TransportConnection, split: Split, signal: AbortSignal, deadline: number): Promise<TransferReport> {
     const transport = plan.transport;
-    const started = process.hrtime.bigint();
     const op = plan.op;
+    const hot = this.#hot(pc, op);
+    const started = hot ? process.hrtime.bigint() : 0n;
     const transfer = {}; // this post's identity for the transport (ExecuteOptions.transfer)
     pc.inFlight++;
     try {
-      const running: Promise<void>[] = [];
-      for (let s = 0; s < split.batches.length; s++) {
-        const batch = split.batches[s];
-        if (batch) running.push(this.#execute(pc, conn, s, batch, signal, deadline, transfer));
-      }
-      const results = await Promise.allSettled(running);
-      // Every stream has settled (quiesced) before we report anything.
       let failures: TensorwireError[] | undefined;
-      for (const r of results) if (r.status === 'rejected') (failures ??= []).push(toTensorwireError(r.reason));
+      if (split.only >= 0) {
+        // One stream has all the work: no per-stream promises to gather.
+        const batch = split.batches[split.only] as TransferBatch;
+        try {
+          await conn.execute(split.only, batch, { signal, deadline, transfer });
+        } catch (e) {
+          try {
+            if (!(e instanceof ResourceExhaustedError)) throw e;
+            await this.#execute(pc, conn, split.only, batch, signal, deadline, transfer, e);
+          } catch (e2) {
+            failures = [toTensorwireError(e2)];
+          }
+        }
+      } else {
+        const running: Promise<void>[] = [];
+        for (let s = 0; s < split.batches.length; s++) {
+          const batch = split.batches[s];
+          if (batch) running.push(this.#execute(pc, conn, s, batch, signal, deadline, transfer));
+        }
+        const results = await Promise.allSettled(running);
+        // Every stream has settled (quiesced) before we report anything.
+        for (const r of results) if (r.status === 'rejected') (failures ??= []).push(toTensorwireError(r.reason));
+      }
       if (failures) {
         // The connection retired in an orderly way under this post (it was not open when the
         // streams settled, and they refused work only as invalidated): not a broken connection.
@@ -1320,9 +1541,10 @@ export class TransferEngine {
         if (retired) retiredUnder.add(err);
         throw err;
       }
-      const m = this.#hot(transport.name, op);
-      m?.bytes.inc(plan.bytes);
-      m?.ok.inc(plan.requests);
+      if (hot) {
+        hot.bytes.inc(plan.bytes);
+        hot.ok.inc(plan.requests);
+      }
       return { transport: transport.name, bytes: plan.bytes, chunks: split.chunks, requests: plan.requests, ranges: plan.count };
     } catch (e) {
       const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${plan.ep.identity.nodeId}`) : toTensorwireError(e);
@@ -1331,32 +1553,47 @@ export class TransferEngine {
       throw err;
     } finally {
       pc.inFlight--;
-      this.#hot(transport.name, op)?.duration.observe(Number(process.hrtime.bigint() - started) / 1e9);
+      hot?.duration.observe(Number(process.hrtime.bigint() - started) / 1e9);
     }
   }
 
-  /** Labelled metric children of the per-post path, made once per transport and direction. */
-  readonly #hotMetrics = new Map<string, { bytes: { inc(v: number): void }; ok: { inc(v: number): void }; duration: { observe(v: number): void } }>();
-  #hot(transport: string, op: 'read' | 'write'): { bytes: { inc(v: number): void }; ok: { inc(v: number): void }; duration: { observe(v: number): void } } | undefined {
+  /** Labelled metric children of the per-post path, made once per connection entry and direction. */
+  #hot(pc: PeerConnection, op: 'read' | 'write'): HotMetrics | undefined {
     const metrics = this.metrics;
     if (!metrics) return undefined;
-    const key = `${transport}/${op}`;
-    let m = this.#hotMetrics.get(key);
-    if (!m) {
-      m = {
-        bytes: metrics.bytes.labels({ transport, direction: op }),
-        ok: metrics.operations.labels({ transport, direction: op, outcome: 'ok' }),
-        duration: metrics.duration.labels({ transport, direction: op }),
-      };
-      this.#hotMetrics.set(key, m);
-    }
+    const cached = op === 'read' ? pc.hotRead : pc.hotWrite;
+    if (cached) return cached;
+    const transport = pc.transport.name;
+    const m: HotMetrics = {
+      bytes: metrics.bytes.labels({ transport, direction: op }),
+      ok: metrics.operations.labels({ transport, direction: op, outcome: 'ok' }),
+      duration: metrics.duration.labels({ transport, direction: op }),
+    };
+    if (op === 'read') pc.hotRead = m;
+    else pc.hotWrite = m;
     return m;
   }
 
-  async #execute(pc: PeerConnection, conn: TransportConnection, stream: number, batch: TransferBatch, signal: AbortSignal, deadline: number, transfer: object): Promise<void> {
+  /** One stream's batch, backing off on local exhaustion; `failed`: the first attempt already failed so. */
+  async #execute(
+    pc: PeerConnection,
+    conn: TransportConnection,
+    stream: number,
+    batch: TransferBatch,
+    signal: AbortSignal,
+    deadline: number,
+    transfer: object,
+    failed?: ResourceExhaustedError,
+  ): Promise<void> {
     let backoff = 1;
+    let first = failed;
     for (;;) {
       try {
+        if (first) {
+          const f = first;
+          first = undefined;
+          throw f;
+        }
         await conn.execute(stream, batch, { signal, deadline, transfer });
         return;
       } catch (e) {

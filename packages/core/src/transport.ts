@@ -139,7 +139,12 @@ export interface TransferBatch {
 }
 
 export interface ExecuteOptions {
-  /** Fires on the caller's abort or on the deadline; its reason is the TensorwireError to raise. */
+  /**
+   * Fires on the caller's abort or on the deadline; its reason is the TensorwireError to raise.
+   * The engine may pass the same signal to a later `execute` once this one has settled, if it
+   * never fired and no listener is left on it: remove your listeners, and do not keep or act on
+   * the signal after settling.
+   */
   readonly signal: AbortSignal;
   /** Absolute deadline, `Date.now()` milliseconds. */
   readonly deadline: number;
