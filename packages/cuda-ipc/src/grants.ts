@@ -531,12 +531,20 @@ export function readRangeTable(
     const mappings: ArrayBuffer[] = [];
     const segOfDir = new Map<number, number>();
     let total = 0;
-    let at = t.arenaAt + arenaOffset;
-    for (let k = 0; k < count; k++, at += RANGE_BYTES) {
-      const dir = t.u32[at / 4] as number;
-      const base = u64(t.u32, at + 8);
-      const length = u64(t.u32, at + 16);
-      let s = segOfDir.get(dir);
+    const u32 = t.u32;
+    // The segment of the previous range: a grant's ranges mostly lie in one or a few segments
+    // in runs, so the map is looked up only when the directory entry changes.
+    let lastDir = -1;
+    let lastSeg = -1;
+    let size = 0;
+    for (let k = 0, w = (t.arenaAt + arenaOffset) / 4; k < count; k++, w += RANGE_BYTES / 4) {
+      const dir = u32[w] as number;
+      // u64s (8-aligned u32 pairs) as numbers; NaN beyond 2^53, which the bounds check refuses.
+      const bh = u32[w + 3] as number;
+      const base = bh >= 2 ** 21 ? Number.NaN : bh * TWO32 + (u32[w + 2] as number);
+      const lh = u32[w + 5] as number;
+      const length = lh >= 2 ** 21 ? Number.NaN : lh * TWO32 + (u32[w + 4] as number);
+      let s = dir === lastDir ? lastSeg : segOfDir.get(dir);
       if (s === undefined) {
         if (dir >= t.geometry.dir) throw rejected(`grant ${t.name}#${record}: range ${k} names directory entry ${dir} of ${t.geometry.dir}`, 'bad-grant');
         const d = t.dirAt + dir * DIR_BYTES;
@@ -550,8 +558,12 @@ export function readRangeTable(
         mappings.push(mapping);
         segOfDir.set(dir, s);
       }
-      // Bounds from fstat (the mapping length), never from the table alone: data area only.
-      const size = (mappings[s] as ArrayBuffer).byteLength;
+      if (s !== lastSeg) {
+        // Bounds from fstat (the mapping length), never from the table alone: data area only.
+        size = (mappings[s] as ArrayBuffer).byteLength;
+        lastSeg = s;
+      }
+      lastDir = dir;
       if (!Number.isSafeInteger(base) || base < HEADER_SIZE || base > size || length > size - base) {
         throw rejected(`grant ${t.name}#${record}: range ${k} (${base}+${length}) lies outside the data of ${(segments[s] as DirSegment).name} (${size} bytes)`, 'bounds');
       }

@@ -63,9 +63,11 @@ import {
   errorFromSignal,
   formatId,
   silentLogger,
+  kit,
   type ConnectOptions,
   type ExecuteOptions,
   type Logger,
+  type MetricsOptions,
   type Memory,
   type MemoryKind,
   type NodeIdentity,
@@ -162,6 +164,12 @@ export interface CudaIpcTransportOptions {
    */
   readonly limits?: CudaIpcLimits;
   readonly logger?: Logger;
+  /**
+   * Where to count peer events (`tensorwire_transport_peer_events_total{transport="cuda-ipc",event}`,
+   * the counter the TCP and Unix-socket transports use), or false. Default: a private Registry
+   * (`transport.metrics.registry`).
+   */
+  readonly metrics?: MetricsOptions | false;
 }
 
 /** Control-channel bounds of {@link CudaIpcTransportOptions.limits}. */
@@ -185,7 +193,7 @@ export interface CudaIpcLimits {
 /** Why the transport refused or cut a peer's control connection (the keys of {@link CudaIpcTransport.peerEvents}). */
 export type CudaIpcPeerEvent = 'pending_handshakes' | 'connections' | 'peer_connections' | 'handshake_timeout' | 'protocol_violation' | 'cache_evictions' | 'import_refused';
 
-const PEER_EVENT_TEXT: Record<CudaIpcPeerEvent, { readonly level: 'warn' | 'info'; readonly text: string }> = {
+const PEER_EVENT_TEXT: Record<CudaIpcPeerEvent, kit.PeerEventText> = {
   pending_handshakes: { level: 'warn', text: 'cuda-ipc: connection closed: too many connections half-way through their handshakes' },
   connections: { level: 'warn', text: 'cuda-ipc: connection refused: too many inbound connections' },
   peer_connections: { level: 'warn', text: 'cuda-ipc: connection refused: too many inbound connections from this peer' },
@@ -194,8 +202,6 @@ const PEER_EVENT_TEXT: Record<CudaIpcPeerEvent, { readonly level: 'warn' | 'info
   cache_evictions: { level: 'info', text: "cuda-ipc: a peer's cached segment mapping was dropped (cache full)" },
   import_refused: { level: 'warn', text: "cuda-ipc: a peer's CUDA grant was not imported (import cache full)" },
 };
-/** Each kind of peer event is logged at most this often (all are counted). */
-const PEER_EVENT_LOG_INTERVAL_MS = 1000;
 
 function limit(name: string, value: number | undefined, dflt: number, max: number): number {
   const v = value ?? dflt;
@@ -843,6 +849,15 @@ class CudaIpcConnection implements TransportConnection {
         remotes[i * REMOTE_STRIDE + 1] = sp;
         remotes[i * REMOTE_STRIDE + 2] = n;
         const src = r.spans;
+        // The grant's segments keep their indices in the batch (always so for the batch's first
+        // range grant): its spans go in as they are, one copy.
+        let same = true;
+        for (let x = 0; x < map.length; x++) if (map[x] !== x) same = false;
+        if (same) {
+          spans.set(src, sp * SPAN_STRIDE);
+          sp += n;
+          continue;
+        }
         for (let q = 0; q < n; q++, sp++) {
           spans[sp * SPAN_STRIDE] = map[src[q * SPAN_STRIDE] as number] as number;
           spans[sp * SPAN_STRIDE + 1] = src[q * SPAN_STRIDE + 1] as number;
@@ -1290,16 +1305,10 @@ export class CudaIpcTransport implements Transport {
   readonly #maxConnectionsPerPeer: number;
   /** Per-connection bound on cached mappings of a peer's segments, per kind (see {@link CudaIpcLimits}). */
   readonly maxCachedSegments: number;
-  readonly #events: Record<CudaIpcPeerEvent, number> = {
-    pending_handshakes: 0,
-    connections: 0,
-    peer_connections: 0,
-    handshake_timeout: 0,
-    protocol_violation: 0,
-    cache_evictions: 0,
-    import_refused: 0,
-  };
-  readonly #eventLoggedAt = new Map<CudaIpcPeerEvent, number>();
+  /** Where peer events are counted in prom-client ({@link CudaIpcTransportOptions.metrics}); undefined when off. */
+  readonly metrics: kit.KitMetrics | undefined;
+  /** Peer events: counted, logged at most once a second per kind, counted in {@link metrics}. */
+  readonly #events: kit.PeerEvents<CudaIpcPeerEvent>;
   /** Grant tables (range grants), in creation order, and the first one's geometry. */
   readonly #tables: GrantTable[] = [];
   readonly #tableGeometry: TableGeometry;
@@ -1320,6 +1329,8 @@ export class CudaIpcTransport implements Transport {
     if (!Number.isSafeInteger(maxChunk) || maxChunk < 1) throw new InvalidInputError('maxChunkBytes must be a positive integer', { details: { field: 'maxChunkBytes' } });
     this.#revokeTimeoutMs = options.revokeTimeoutMs ?? 10_000;
     this.#logger = options.logger ?? silentLogger;
+    this.metrics = kit.kitMetrics(options.metrics);
+    this.#events = new kit.PeerEvents({ transport: this.name, texts: PEER_EVENT_TEXT, counter: this.metrics?.peerEvents });
     const gt = options.grantTable ?? {};
     this.#tableGeometry = { records: gt.records ?? 4096, dir: gt.segments ?? 4096, arena: gt.rangeBytes ?? 4 * 2 ** 20 };
     checkGeometry(this.#tableGeometry, 'grantTable');
@@ -1361,20 +1372,16 @@ export class CudaIpcTransport implements Transport {
   /**
    * How often each bound was applied to a peer since this transport was created: connections
    * refused or closed, cached mappings dropped, imports refused. Each is also logged (at most
-   * once a second per kind).
+   * once a second per kind, with the number left out since the last line) and counted in
+   * {@link metrics} (`tensorwire_transport_peer_events_total{transport="cuda-ipc",event}`).
    */
   peerEvents(): Readonly<Record<CudaIpcPeerEvent, number>> {
-    return { ...this.#events };
+    return this.#events.counts();
   }
 
   /** @internal Count (and log, rate-limited) a bound applied to a peer. */
   peerEvent(event: CudaIpcPeerEvent, peer: string | undefined, message: string): void {
-    this.#events[event]++;
-    const now = Date.now();
-    if (now - (this.#eventLoggedAt.get(event) ?? -Infinity) < PEER_EVENT_LOG_INTERVAL_MS) return;
-    this.#eventLoggedAt.set(event, now);
-    const { level, text } = PEER_EVENT_TEXT[event];
-    this.#logger[level](text, { peer, reason: message, count: this.#events[event] });
+    this.#events.record(event, peer, message, this.#logger);
   }
 
   #identity(): NodeIdentity {
