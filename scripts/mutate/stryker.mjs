@@ -4,7 +4,11 @@
  * package (scripts/mutate/run.mjs does this). Uses Stryker's programmatic API: the CLI of
  * @stryker-mutator/core 10 refuses Node < 22 at import, while the engine itself runs on the
  * Node 20.19+ this repository supports (the machines here have Node 20).
- * Extra arguments are `--mutate <glob[:range]>` (repeatable) to narrow the run.
+ * Extra arguments narrow the run: `--mutate <glob[:range]>` (repeatable) replaces the config's
+ * list; `--file <path>` (repeatable) keeps only the config's entries for that file (its method
+ * ranges, found when the config is loaded). With TW_MUTATE_TAG=<name> the part gets its own
+ * report, incremental file and sandbox (see stryker/base.mjs), e.g. from packages/cuda-ipc:
+ *   TW_MUTATE_TAG=transport nice -n 19 node ../../scripts/mutate/stryker.mjs ../../scripts/mutate/stryker/cuda-ipc.config.mjs --file src/transport.ts
  */
 import { rmSync } from 'node:fs';
 import { createRequire } from 'node:module';
@@ -18,8 +22,19 @@ if (!configPath) {
 }
 const config = { ...(await import(pathToFileURL(resolve(configPath)).href)).default };
 const narrowed = [];
-for (let i = 0; i < rest.length; i++) if (rest[i] === '--mutate') narrowed.push(rest[++i]);
+const files = [];
+for (let i = 0; i < rest.length; i++) {
+  if (rest[i] === '--mutate') narrowed.push(rest[++i]);
+  else if (rest[i] === '--file') files.push(rest[++i]);
+}
 if (narrowed.length) config.mutate = narrowed;
+if (files.length) {
+  config.mutate = config.mutate.filter((m) => files.some((f) => m === f || m.startsWith(`${f}:`)));
+  if (config.mutate.length === 0) {
+    console.error(`stryker.mjs: the config mutates nothing in ${files.join(', ')}`);
+    process.exit(2);
+  }
+}
 
 const require = createRequire(import.meta.url);
 const core = dirname(require.resolve('@stryker-mutator/core/package.json'));

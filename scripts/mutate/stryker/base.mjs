@@ -9,7 +9,11 @@ import { URL, fileURLToPath } from 'node:url';
 
 export function strykerConfig(pkg, mutate, extra = {}) {
   const vitestConfig = fileURLToPath(new URL(`../vitest/${pkg}.config.mjs`, import.meta.url));
-  const out = `../../coverage/mutation/${pkg}`;
+  // TW_MUTATE_TAG=<name>: a separate report, incremental file (coverage/mutation/<pkg>-<name>/)
+  // and sandbox folder (.stryker-tmp-<name>/) for a part of a package's run, so parts do not
+  // overwrite each other's results and two parts of one package can run at once.
+  const tag = process.env.TW_MUTATE_TAG ? `-${process.env.TW_MUTATE_TAG.replace(/[^\w.-]/g, '_')}` : '';
+  const out = `../../coverage/mutation/${pkg}${tag}`;
   return {
     $schema: '../../node_modules/@stryker-mutator/core/schema/stryker-schema.json',
     packageManager: 'npm',
@@ -31,14 +35,14 @@ export function strykerConfig(pkg, mutate, extra = {}) {
     jsonReporter: { fileName: `${out}/mutation.json` },
     clearTextReporter: { allowColor: false, logTests: false, reportScoreTable: true },
     // One level below the package: Stryker rewrites the tsconfig 'extends' for exactly that depth.
-    tempDirName: '.stryker-tmp',
+    tempDirName: `.stryker-tmp${tag}`,
     cleanTempDir: true,
     // A 2-core machine shared by several engineers: one test runner and one checker.
     concurrency: 1,
     // A mutant that makes a test loop is a timeout (detected); keep what that costs small in the fast run.
     timeoutMS: process.env.TW_MUTATE_FAST ? 5_000 : 20_000,
     timeoutFactor: 2,
-    ignorePatterns: ['coverage', '.turbo', '*.tsbuildinfo'],
+    ignorePatterns: ['coverage', '.turbo', '*.tsbuildinfo', '.stryker-tmp*'],
     // Static mutants (module-level constants) would each rerun every test of the package:
     // hours here. They are left out of the run (counted as ignored, not as killed).
     ignoreStatic: true,

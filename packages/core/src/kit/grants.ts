@@ -44,6 +44,11 @@ export interface RangeRefusal {
 }
 
 const REFUSED_REVOKED: RangeRefusal = { code: GrantRefusalCode.Revoked, message: 'the grant was revoked', range: NO_RANGE };
+/** A copy of `b` as a plain Uint8Array (`Buffer#slice` would be a view of the same memory). */
+function copyBytes(b: Uint8Array): Uint8Array {
+  return Uint8Array.prototype.slice.call(b);
+}
+
 const REFUSED_UNKNOWN: RangeRefusal = { code: GrantRefusalCode.Unknown, message: 'no registration or grant has this token', range: NO_RANGE };
 
 /**
@@ -199,7 +204,7 @@ export class GrantTable {
     }
     const reg = new LocalRegistration(this, memory.buffer);
     this.#tokens.set(reg.key, reg);
-    return { handle: reg, payload: reg.token.slice() };
+    return { handle: reg, payload: copyBytes(reg.token) };
   }
 
   /**
@@ -222,7 +227,7 @@ export class GrantTable {
     for (const r of regs) r.grants.add(g);
     this.#tokens.set(g.key, g);
     this.#rangeGrants++;
-    return { handle: g, payload: g.token.slice() };
+    return { handle: g, payload: copyBytes(g.token) };
   }
 
   /**
@@ -344,11 +349,11 @@ export class GrantTable {
       throw new InvalidInputError(`${this.transport} descriptor payload must be ${TOKEN_BYTES} bytes, got ${payload?.length}`, { details: { field: 'payload' } });
     }
     if (!Number.isSafeInteger(byteLength) || byteLength < 0) throw new InvalidInputError(`byte length ${byteLength} is not a safe integer`, { details: { field: 'byteLength' } });
-    if (rangeLengths === undefined) return new RemoteGrant(payload.slice(), byteLength, Float64Array.of(byteLength), false);
+    if (rangeLengths === undefined) return new RemoteGrant(copyBytes(payload), byteLength, Float64Array.of(byteLength), false);
     if (!(rangeLengths instanceof Float64Array) || rangeLengths.length < 1 || rangeLengths.length > MAX_GRANT_RANGES) {
       throw new InvalidInputError(`range lengths must be a Float64Array of 1 to ${MAX_GRANT_RANGES} lengths`, { details: { field: 'rangeLengths' } });
     }
-    return new RemoteGrant(payload.slice(), byteLength, rangeLengths, true);
+    return new RemoteGrant(copyBytes(payload), byteLength, rangeLengths, true);
   }
 
   /** Revoke everything at once (the transport is closing; its streams are already closed). */
