@@ -33,6 +33,7 @@ import {
   type TransportConnection,
   type TransportHost,
 } from '../src/index.js';
+import { bounded, outcome, tick } from './helpers/settle.js';
 
 type ExecuteMode = 'ok' | 'hang' | 'break' | 'ignore-signal';
 
@@ -193,23 +194,6 @@ async function setup(me: string, peer: string, extra: Record<string, unknown> = 
       await b.close();
     },
   };
-}
-
-async function outcome(p: Promise<unknown>): Promise<unknown> {
-  try {
-    return { ok: await p };
-  } catch (e) {
-    return e;
-  }
-}
-
-const tick = (): Promise<void> => new Promise((r) => setImmediate(r));
-
-/** The outcome of `p`, or 'never settled' after a liveness guard far above every deadline in these tests. */
-function bounded(p: Promise<unknown>, ms = 10_000): Promise<unknown> {
-  let timer: NodeJS.Timeout | undefined;
-  const guard = new Promise<string>((r) => (timer = setTimeout(() => r('never settled'), ms)));
-  return Promise.race([outcome(p), guard]).finally(() => clearTimeout(timer));
 }
 
 describe('invariant 2: invalidating a connection is one removal from the table, whatever the transport reports', () => {

@@ -33,6 +33,7 @@ import {
   type TransportConnection,
   type TransportHost,
 } from '../src/index.js';
+import { bounded, outcome, tick } from './helpers/settle.js';
 
 type ExecuteMode = 'ok' | 'hang' | 'break' | 'exhausted' | 'fail';
 
@@ -232,22 +233,6 @@ async function errorCodes(e: TransferEngine): Promise<Record<string, number>> {
   const out: Record<string, number> = {};
   for (const v of (await (e.metrics as NonNullable<TransferEngine['metrics']>).errors.get()).values) out[String(v.labels.code)] = v.value;
   return out;
-}
-
-async function outcome(p: Promise<unknown>): Promise<unknown> {
-  try {
-    return { ok: await p };
-  } catch (e) {
-    return e;
-  }
-}
-
-const tick = (): Promise<void> => new Promise((r) => setImmediate(r));
-
-function bounded(p: Promise<unknown>, ms = 10_000): Promise<unknown> {
-  let timer: NodeJS.Timeout | undefined;
-  const guard = new Promise<string>((r) => (timer = setTimeout(() => r('never settled'), ms)));
-  return Promise.race([outcome(p), guard]).finally(() => clearTimeout(timer));
 }
 
 describe('deadlines and abort (#deadlineSignal)', () => {

@@ -12,32 +12,16 @@
  * - invariant 13: a same-host grant with the right grant name and a wrong token is refused.
  */
 import { chmodSync, existsSync, statSync } from 'node:fs';
-import { afterAll, afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { InvalidInputError, RemoteRejectedError, TensorwireError, createTransferBatch, defaultHostId, formatId, silentLogger, type TransportHost } from '@tensorwire/core';
-import { CudaIpcTransport, SegmentKind, SegmentState, TensorPool, allocateSharedMemory, native, poolSegmentName, releaseSharedMemory } from '../src/index.js';
+import { CudaIpcTransport, SegmentKind, SegmentState, allocateSharedMemory, native, poolSegmentName, releaseSharedMemory } from '../src/index.js';
 import { DATA_OFFSET } from '../src/shared.js';
 import { uniqueOwner } from './helpers.js';
+import { nativeFakes, trackedPools } from './pool-fixtures.js';
 
-const pools: TensorPool[] = [];
-function pool(owner: string, opts: { deferredFreeTimeoutMs?: number } = {}): TensorPool {
-  const p = new TensorPool({ owner, ...opts });
-  pools.push(p);
-  return p;
-}
-afterAll(async () => {
-  await Promise.all(pools.map((p) => p.close()));
-});
+const pool = trackedPools((owner) => owner);
 
-type Native = typeof native;
-const saved = new Map<keyof Native, unknown>();
-function fake<K extends keyof Native>(key: K, fn: Native[K]): void {
-  if (!saved.has(key)) saved.set(key, native[key]);
-  (native as unknown as Record<string, unknown>)[key] = fn;
-}
-afterEach(() => {
-  for (const [k, v] of saved) (native as unknown as Record<string, unknown>)[k] = v;
-  saved.clear();
-});
+const fake = nativeFakes();
 
 const shmPath = (id: string): string => `/dev/shm${poolSegmentName(id)}`;
 

@@ -9,31 +9,15 @@
  * CUDA calls are FAKE here (as in test/bookkeeping.test.ts): shared memory, headers and
  * importer counts are real; the GPU suite covers the hardware path.
  */
-import { afterAll, afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { ClosedError, InvalidInputError, TensorwireError, type Logger } from '@tensorwire/core';
-import { TensorPool, native } from '../src/index.js';
+import { TensorPool } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
+import { nativeFakes, trackedPools } from './pool-fixtures.js';
 
-const pools: TensorPool[] = [];
-function pool(prefix: string, opts: { deferredFreeTimeoutMs?: number; logger?: Logger } = {}): TensorPool {
-  const p = new TensorPool({ owner: uniqueOwner(prefix), ...opts });
-  pools.push(p);
-  return p;
-}
-afterAll(async () => {
-  await Promise.all(pools.map((p) => p.close()));
-});
+const pool = trackedPools();
 
-type Native = typeof native;
-const saved = new Map<keyof Native, unknown>();
-function fake<K extends keyof Native>(key: K, fn: Native[K]): void {
-  if (!saved.has(key)) saved.set(key, native[key]);
-  (native as unknown as Record<string, unknown>)[key] = fn;
-}
-afterEach(() => {
-  for (const [k, v] of saved) (native as unknown as Record<string, unknown>)[k] = v;
-  saved.clear();
-});
+const fake = nativeFakes();
 
 /** Fake CUDA: every call recorded in `events`; cudaImport may wait on `importGate`. */
 function fakeCuda(events: string[], importGate?: () => Promise<void>): void {
@@ -205,7 +189,7 @@ describe('views of a slot the owner freed, and a second life of a pool id', () =
     const old = b.readSync(id); // a view of the first life (host)
     await a.close();
     const a2 = new TensorPool({ owner, deferredFreeTimeoutMs: 60_000 });
-    pools.push(a2);
+    pool.track(a2);
     expect(await a2.register({ byteLength: 4096, device: 'cuda:0' })).toBe(id); // the same id, a second life
     const v = await b.read(id);
     expect(events).toEqual(['import']);

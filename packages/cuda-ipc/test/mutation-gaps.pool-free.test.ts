@@ -5,31 +5,15 @@
  * deferred CUDA free. CUDA calls are FAKE here (as in test/bookkeeping.test.ts): headers and
  * importer counts are real; the GPU suite covers the hardware path.
  */
-import { afterAll, afterEach, describe, expect, it } from 'vitest';
+import { describe, expect, it } from 'vitest';
 import { ClosedError, InvalidInputError, TensorwireError, formatId } from '@tensorwire/core';
-import { TensorPool, native } from '../src/index.js';
+import { TensorPool } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
+import { nativeFakes, trackedPools } from './pool-fixtures.js';
 
-const pools: TensorPool[] = [];
-function pool(prefix: string, opts: { deferredFreeTimeoutMs?: number } = {}): TensorPool {
-  const p = new TensorPool({ owner: uniqueOwner(prefix), ...opts });
-  pools.push(p);
-  return p;
-}
-afterAll(async () => {
-  await Promise.all(pools.map((p) => p.close()));
-});
+const pool = trackedPools();
 
-type Native = typeof native;
-const saved = new Map<keyof Native, unknown>();
-function fake<K extends keyof Native>(key: K, fn: Native[K]): void {
-  if (!saved.has(key)) saved.set(key, native[key]);
-  (native as unknown as Record<string, unknown>)[key] = fn;
-}
-afterEach(() => {
-  for (const [k, v] of saved) (native as unknown as Record<string, unknown>)[k] = v;
-  saved.clear();
-});
+const fake = nativeFakes();
 function fakeCuda(events: string[]): void {
   fake('cudaAlloc', async () => 0x1000n);
   fake('cudaExport', async () => ({ handle: new Uint8Array(64).fill(7), base: 0x1000n, offset: 0, allocSize: 4096 }));
