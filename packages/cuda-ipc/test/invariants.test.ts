@@ -13,27 +13,17 @@
  */
 import { chmodSync, existsSync, statSync } from 'node:fs';
 import { describe, expect, it } from 'vitest';
-import { InvalidInputError, RemoteRejectedError, TensorwireError, createTransferBatch, defaultHostId, formatId, silentLogger, type TransportHost } from '@tensorwire/core';
+import { InvalidInputError, RemoteRejectedError, createTransferBatch, defaultHostId, formatId, silentLogger, type TransportHost } from '@tensorwire/core';
 import { CudaIpcTransport, SegmentKind, SegmentState, allocateSharedMemory, native, poolSegmentName, releaseSharedMemory } from '../src/index.js';
 import { DATA_OFFSET } from '../src/shared.js';
 import { uniqueOwner } from './helpers.js';
-import { nativeFakes, trackedPools } from './pool-fixtures.js';
+import { failure, nativeFakes, trackedPools } from './pool-fixtures.js';
 
 const pool = trackedPools((owner) => owner);
 
 const fake = nativeFakes();
 
 const shmPath = (id: string): string => `/dev/shm${poolSegmentName(id)}`;
-
-async function failure(fn: () => unknown): Promise<TensorwireError> {
-  try {
-    await fn();
-  } catch (e) {
-    expect(e).toBeInstanceOf(TensorwireError);
-    return e as TensorwireError;
-  }
-  throw new Error('expected a failure');
-}
 
 describe('invariant 1: a non-owner free is keyed by the whole pool id', () => {
   it('pool:A:1 and pool:C:1 mapped in one process: freeing one leaves the other mapped and readable', async () => {

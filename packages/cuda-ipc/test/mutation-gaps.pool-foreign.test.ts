@@ -10,10 +10,10 @@
  * importer counts are real; the GPU suite covers the hardware path.
  */
 import { describe, expect, it } from 'vitest';
-import { ClosedError, InvalidInputError, TensorwireError, type Logger } from '@tensorwire/core';
+import { ClosedError, InvalidInputError, type Logger, type TensorwireError } from '@tensorwire/core';
 import { TensorPool } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
-import { nativeFakes, trackedPools } from './pool-fixtures.js';
+import { failure, nativeFakes, trackedPools, within } from './pool-fixtures.js';
 
 const pool = trackedPools();
 
@@ -49,23 +49,6 @@ function gate(): { wait: () => Promise<void>; open: () => void; fail: (e: Error)
 function recorder(): Logger & { warns: { message: string; fields: Record<string, unknown> | undefined }[] } {
   const warns: { message: string; fields: Record<string, unknown> | undefined }[] = [];
   return { warns, debug: () => undefined, info: () => undefined, error: () => undefined, warn: (message, fields) => void warns.push({ message, fields }) };
-}
-
-async function failure(p: Promise<unknown> | (() => unknown)): Promise<TensorwireError> {
-  try {
-    await (typeof p === 'function' ? p() : p);
-  } catch (e) {
-    expect(e).toBeInstanceOf(TensorwireError);
-    return e as TensorwireError;
-  }
-  throw new Error('expected a failure');
-}
-
-/** 'settled' or 'pending' after `ms` (a liveness guard far above what the test waits for). */
-async function within(p: Promise<unknown>, ms: number): Promise<unknown> {
-  let timer: NodeJS.Timeout | undefined;
-  const guard = new Promise((r) => (timer = setTimeout(() => r('pending'), ms)));
-  return Promise.race([p.then(() => 'settled'), guard]).finally(() => clearTimeout(timer));
 }
 
 const tick = (ms = 0): Promise<void> => new Promise((r) => setTimeout(r, ms));

@@ -6,10 +6,10 @@
  * importer counts are real; the GPU suite covers the hardware path.
  */
 import { describe, expect, it } from 'vitest';
-import { ClosedError, InvalidInputError, TensorwireError, formatId } from '@tensorwire/core';
+import { ClosedError, InvalidInputError, formatId } from '@tensorwire/core';
 import { TensorPool } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
-import { nativeFakes, trackedPools } from './pool-fixtures.js';
+import { failure, nativeFakes, trackedPools, within } from './pool-fixtures.js';
 
 const pool = trackedPools();
 
@@ -24,23 +24,6 @@ function fakeCuda(events: string[]): void {
   fake('cudaFree', async () => {
     events.push('free');
   });
-}
-
-async function failure(fn: () => unknown): Promise<TensorwireError> {
-  try {
-    await fn();
-  } catch (e) {
-    expect(e).toBeInstanceOf(TensorwireError);
-    return e as TensorwireError;
-  }
-  throw new Error('expected a failure');
-}
-
-/** `p`'s outcome, or 'pending' after `ms` (a liveness guard far above what the test waits for). */
-async function within(p: Promise<unknown>, ms: number): Promise<unknown> {
-  let timer: NodeJS.Timeout | undefined;
-  const guard = new Promise((r) => (timer = setTimeout(() => r('pending'), ms)));
-  return Promise.race([p.then(() => 'settled'), guard]).finally(() => clearTimeout(timer));
 }
 
 describe("TensorPool.free() on the owner's side", () => {

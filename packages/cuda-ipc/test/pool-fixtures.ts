@@ -2,8 +2,8 @@
  * In-process fixtures shared by the pool tests: pools closed after the file's tests, and fakes
  * of addon calls (the CUDA ones, for the deferred-free paths without a GPU) restored after each test.
  */
-import { afterAll, afterEach } from 'vitest';
-import type { Logger } from '@tensorwire/core';
+import { afterAll, afterEach, expect } from 'vitest';
+import { TensorwireError, type Logger } from '@tensorwire/core';
 import { TensorPool, native } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
 
@@ -53,4 +53,22 @@ export function nativeFakes(): <K extends keyof Native>(key: K, fn: Native[K]) =
     if (!saved.has(key)) saved.set(key, native[key]);
     (native as unknown as Record<string, unknown>)[key] = fn;
   };
+}
+
+/** The typed error `p` (a promise, or a function called and awaited) rejects with; fails the test if it does not. */
+export async function failure(p: Promise<unknown> | (() => unknown)): Promise<TensorwireError> {
+  try {
+    await (typeof p === 'function' ? p() : p);
+  } catch (e) {
+    expect(e).toBeInstanceOf(TensorwireError);
+    return e as TensorwireError;
+  }
+  throw new Error('expected a failure');
+}
+
+/** 'settled' or 'pending' after `ms` (a liveness guard far above what the test waits for). */
+export async function within(p: Promise<unknown>, ms: number): Promise<unknown> {
+  let timer: NodeJS.Timeout | undefined;
+  const guard = new Promise((r) => (timer = setTimeout(() => r('pending'), ms)));
+  return Promise.race([p.then(() => 'settled'), guard]).finally(() => clearTimeout(timer));
 }
