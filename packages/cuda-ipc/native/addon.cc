@@ -243,6 +243,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("recordPublish", &Addon::RecordPublishJs),
         InstanceMethod("recordRevoke", &Addon::RecordRevokeJs),
         InstanceMethod("recordFree", &Addon::RecordFreeJs),
+        InstanceMethod("writeRangeTable", &Addon::WriteRangeTableJs),
         InstanceMethod("cudaProbe", &Addon::CudaProbe),
         InstanceMethod("cudaAlloc", &Addon::CudaAlloc),
         InstanceMethod("cudaExport", &Addon::CudaExport),
@@ -804,6 +805,40 @@ class Addon : public Napi::Addon<Addon> {
     Status s = RecordFree(seg.data, seg.size, U64Arg(info, 1));
     if (!s.ok()) Throw(info.Env(), s);
     return info.Env().Undefined();
+  }
+
+  // writeRangeTable(table, arenaOffset, ranges, count, regs): check a grant's ranges and write
+  // its range table in the table's arena (WriteRangeTable). `ranges` is a Float64Array of 3
+  // numbers per range (registration index, offset, length), `regs` one of 3 per registration
+  // (directory index, base in its segment mapping, byte length). Returns the sum of the
+  // lengths, or -(k + 1) for the first bad range k; throws TW_INVALID_INPUT when the arguments
+  // or the table do not fit.
+  Napi::Value WriteRangeTableJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    Bytes seg = SegmentArg(info, 0);
+    uint64_t arena_offset = U64Arg(info, 1);
+    auto f64 = [&](size_t i) -> Napi::Float64Array {
+      if (info.Length() <= i || !info[i].IsTypedArray() || info[i].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+        ThrowInvalid(env, "writeRangeTable: argument " + std::to_string(i) + " must be a Float64Array");
+      }
+      return info[i].As<Napi::Float64Array>();
+    };
+    Napi::Float64Array ranges = f64(2);
+    uint64_t count = U64Arg(info, 3);
+    Napi::Float64Array regs = f64(4);
+    if (count > ranges.ElementLength() / 3) ThrowInvalid(env, "writeRangeTable: ranges hold fewer than count ranges");
+    if (regs.ElementLength() % 3 != 0) ThrowInvalid(env, "writeRangeTable: regs must hold 3 numbers per registration");
+    const size_t nregs = regs.ElementLength() / 3;
+    for (size_t j = 0; j < nregs; j++) {
+      const double dir = regs[3 * j], b = regs[3 * j + 1], len = regs[3 * j + 2];
+      if (!(dir >= 0 && dir < 4294967296.0 && dir == __builtin_floor(dir) && b >= 0 && b == __builtin_floor(b) && len >= 0 && len == __builtin_floor(len) && b + len < 9007199254740992.0)) {
+        ThrowInvalid(env, "writeRangeTable: regs[" + std::to_string(j) + "] is not (directory index, base, length) of non-negative integers");
+      }
+    }
+    double result = 0;
+    Status s = WriteRangeTable(seg.data, seg.size, arena_offset, ranges.Data(), static_cast<size_t>(count), regs.Data(), nregs, &result);
+    if (!s.ok()) Throw(env, s);
+    return Napi::Number::New(env, result);
   }
 
   // ---- CUDA ----

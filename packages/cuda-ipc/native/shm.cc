@@ -1203,6 +1203,46 @@ Status RecordPublish(uint8_t* base, size_t size, uint64_t offset, uint64_t gener
   return Status::Ok();
 }
 
+Status WriteRangeTable(uint8_t* base, size_t size, uint64_t arena_offset, const double* ranges, size_t count, const double* regs, size_t nregs, double* result) {
+  TableGeometry g;
+  Status st = CheckTable(base, size, &g);
+  if (!st.ok()) return st;
+  // The range table must lie inside the arena, 8-byte aligned (u64 entries).
+  if (count == 0 || arena_offset % 8 != 0 || arena_offset > g.arena || count > (g.arena - arena_offset) / kRangeEntryBytes) {
+    return Status::Fail(kInvalidInput, "the range table does not fit the grant table's arena");
+  }
+  uint8_t* out = base + (size - g.arena) + arena_offset;  // the arena is the mapping's tail
+  constexpr double kMaxExact = 9007199254740992.0;  // 2^53
+  // Each value is converted to an integer once (truncating) and must convert back to itself:
+  // NaN, fractions and values at or above 2^53 fail (the range compares are on the doubles).
+  const double nr = static_cast<double>(nregs);
+  double bytes = 0;
+  for (size_t k = 0; k < count; k++) {
+    const double j = ranges[3 * k];
+    const double off = ranges[3 * k + 1];
+    const double len = ranges[3 * k + 2];
+    const int64_t ji = static_cast<int64_t>(j), oi = static_cast<int64_t>(off), li = static_cast<int64_t>(len);
+    const bool shaped = j >= 0 && j < nr && off >= 0 && off < kMaxExact && len >= 1 && len < kMaxExact;
+    if (shaped && static_cast<double>(ji) == j && static_cast<double>(oi) == off && static_cast<double>(li) == len) {
+      const double* r = regs + 3 * ji;
+      if (off + len <= r[2]) {
+        // Three 8-byte stores (one 24-byte struct copied through the stack defeats store forwarding).
+        uint8_t* e = out + k * kRangeEntryBytes;
+        const int64_t dir = static_cast<int64_t>(r[0]), at = static_cast<int64_t>(r[1]) + oi;
+        std::memcpy(e, &dir, 8);
+        std::memcpy(e + 8, &at, 8);
+        std::memcpy(e + 16, &li, 8);
+        bytes += len;
+        continue;
+      }
+    }
+    *result = -static_cast<double>(k) - 1;
+    return Status::Ok();
+  }
+  *result = bytes;
+  return Status::Ok();
+}
+
 Status RecordRevoke(uint8_t* base, size_t size, uint64_t offset, uint64_t next_generation, uint32_t* active_out) {
   uint8_t* r = RecordAt(base, size, offset);
   if (r == nullptr) return Status::Fail(kInvalidInput, "not a record of a grant table");

@@ -298,5 +298,13 @@ Status RecordPublish(uint8_t* base, size_t size, uint64_t offset, uint64_t gener
 // is the in-flight count seen after (the owner waits for 0 before RecordFree).
 Status RecordRevoke(uint8_t* base, size_t size, uint64_t offset, uint64_t next_generation, uint32_t* active_out);
 Status RecordFree(uint8_t* base, size_t size, uint64_t offset);
+// Owner, before publishing a record: check a grant's ranges and write its range table at
+// `arena_offset` of the table's arena, in one pass. `ranges`: `count` ranges of 3 doubles
+// (registration index, offset, length); `regs`: `nregs` registrations of 3 doubles (directory
+// index, base of the registration in its segment mapping, byte length). A range must name a
+// registration, be a non-empty integer range and lie inside it. Returns the sum of the lengths,
+// or -(k + 1) for the first bad range k (what was written before it is garbage, unpublished).
+// Fails (kInvalidInput) when the mapping is not a grant table or the table does not fit its arena.
+Status WriteRangeTable(uint8_t* base, size_t size, uint64_t arena_offset, const double* ranges, size_t count, const double* regs, size_t nregs, double* result);
 
 }  // namespace tw

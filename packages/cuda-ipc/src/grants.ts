@@ -366,54 +366,37 @@ export class GrantTable {
 
   /**
    * Check a grant's ranges and write its range table at `arenaOffset` of the arena, in one
-   * pass with no object per range: range `k` (GRANT_STRIDE numbers of `ranges`: registration
-   * index, offset, length) must name one of `regs`, be non-empty and lie inside that
-   * registration's buffer; it is written as (directory index `dirOf[j]`, offset in the segment
-   * mapping = `regs[j].base` + offset, length), 24 bytes, little-endian u64s as u32 pairs
-   * (exact below 2^53). Each value is read once, checked, then written. Returns the bytes of
-   * all ranges; throws InvalidInputError naming the first bad range (nothing is published: the
-   * caller gives the record and the arena space back). Writing a record's range table is only
-   * done before it is published, so no peer reads it meanwhile.
+   * native pass with no object per range: range `k` (GRANT_STRIDE numbers of `ranges`:
+   * registration index, offset, length) must name one of `regs`, be non-empty and lie inside
+   * that registration's buffer; it is written as (directory index `dirOf[j]`, offset in the
+   * segment mapping = `regs[j].base` + offset, length), 24 bytes, little-endian u64s. Returns
+   * the bytes of all ranges; throws InvalidInputError naming the first bad range (nothing is
+   * published: the caller gives the record and the arena space back). Writing a record's range
+   * table is only done before it is published, so no peer reads it meanwhile.
    */
   writeRanges(arenaOffset: number, ranges: Float64Array, count: number, regs: readonly { readonly base: number; readonly buffer: Uint8Array }[], dirOf: Uint32Array): number {
-    const n = regs.length;
-    const base0 = n === 1 ? (regs[0] as { base: number }).base : 0;
-    const limit0 = n === 1 ? (regs[0] as { buffer: Uint8Array }).buffer.byteLength : 0;
-    const dir0 = n === 1 ? (dirOf[0] as number) : 0;
-    const u32 = this.u32;
-    let w = (this.arenaAt + arenaOffset) / 4;
-    if (!(Number.isSafeInteger(w) && w >= 0 && w + count * (RANGE_BYTES / 4) <= u32.length && ranges.length >= count * GRANT_STRIDE)) {
+    if (!(Number.isSafeInteger(arenaOffset) && arenaOffset >= 0 && Number.isSafeInteger(count) && count >= 1 && ranges.length >= count * GRANT_STRIDE)) {
       throw new InvalidInputError(`cuda-ipc grant table ${this.name}: range table of ${count} ranges does not fit at ${arenaOffset}`, { details: { field: 'ranges' } });
     }
-    let bytes = 0;
-    for (let k = 0, at = 0; k < count; k++, at += GRANT_STRIDE, w += 6) {
-      const j = ranges[at] as number;
-      const off = ranges[at + 1] as number;
-      const len = ranges[at + 2] as number;
-      let base = base0;
-      let limit = limit0;
-      let dir = dir0;
-      if (n !== 1) {
-        const h = j >= 0 && j < n && Math.trunc(j) === j ? regs[j] : undefined;
-        limit = h ? h.buffer.byteLength : -1;
-        base = h ? h.base : 0;
-        dir = h ? (dirOf[j] as number) : 0;
-      } else if (j !== 0) limit = -1;
-      // NaN fails every comparison; trunc refuses fractions; off + len <= limit (a buffer length) keeps the sum exact.
-      if (!(off >= 0 && Math.trunc(off) === off && len >= 1 && Math.trunc(len) === len && off + len <= limit)) {
-        throw new InvalidInputError(`grant: range ${k} (${off}+${len} of registration ${j}) is empty or outside its registration`, { details: { field: 'ranges', range: k } });
-      }
-      const abs = base + off;
-      // A double stored into a Uint32Array is taken modulo 2^32 (exact for integers): the low word.
-      u32[w] = dir;
-      u32[w + 1] = 0;
-      u32[w + 2] = abs;
-      u32[w + 3] = abs / TWO32;
-      u32[w + 4] = len;
-      u32[w + 5] = len / TWO32;
-      bytes += len;
+    const info = new Float64Array(regs.length * 3);
+    for (let j = 0; j < regs.length; j++) {
+      const r = regs[j] as { base: number; buffer: Uint8Array };
+      info[j * 3] = dirOf[j] as number;
+      info[j * 3 + 1] = r.base;
+      info[j * 3 + 2] = r.buffer.byteLength;
     }
-    return bytes;
+    let got: number;
+    try {
+      got = native.writeRangeTable(this.mapping, arenaOffset, ranges, count, info);
+    } catch (e) {
+      throw new InvalidInputError(`cuda-ipc grant table ${this.name}: range table of ${count} ranges does not fit at ${arenaOffset}`, { cause: e, details: { field: 'ranges' } });
+    }
+    if (got < 0) {
+      const k = -got - 1;
+      const at = k * GRANT_STRIDE;
+      throw new InvalidInputError(`grant: range ${k} (${ranges[at + 1]}+${ranges[at + 2]} of registration ${ranges[at]}) is empty or outside its registration`, { details: { field: 'ranges', range: k } });
+    }
+    return got;
   }
 
   /** Set the table dead and unlink it (records are revoked first by the transport). Idempotent. */

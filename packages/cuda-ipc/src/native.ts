@@ -182,6 +182,14 @@ export interface NativeAddon {
   recordRevoke(table: ArrayBuffer, offset: number, nextGeneration: number): number;
   /** Owner: the record is free for reuse (after its in-flight count drained). */
   recordFree(table: ArrayBuffer, offset: number): void;
+  /**
+   * Owner, before publishing a record: check a grant's ranges (`count` ranges of 3 numbers:
+   * registration index, offset, length) against `regs` (3 numbers per registration: directory
+   * index, base in its segment mapping, byte length) and write the range table at `arenaOffset`
+   * of the table's arena, in one pass. Returns the sum of the lengths, or -(k + 1) for the
+   * first bad range k (empty, fractional, outside its registration, or naming none).
+   */
+  writeRangeTable(table: ArrayBuffer, arenaOffset: number, ranges: Float64Array, count: number, regs: Float64Array): number;
   cudaProbe(): CudaProbe;
   cudaAlloc(device: number, bytes: number): Promise<bigint>;
   cudaExport(device: number, pointer: bigint): Promise<CudaExport>;
@@ -333,6 +341,7 @@ export const native: NativeAddon = {
   recordPublish: wrap('recordPublish'),
   recordRevoke: wrap('recordRevoke'),
   recordFree: wrap('recordFree'),
+  writeRangeTable: wrap('writeRangeTable'),
   cudaProbe: wrap('cudaProbe'),
   cudaAlloc: wrap('cudaAlloc'),
   cudaExport: wrap('cudaExport'),
