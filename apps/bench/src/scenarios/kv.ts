@@ -11,6 +11,7 @@
  * node:net stream of the same byte count from the holder. With `--compare`, ucx_perftest
  * `ucp_get` at the same message sizes over UCX `posix` and `tcp`.
  */
+import { readFileSync } from 'node:fs';
 import { spawnWorker } from '../proc.js';
 import { UCX_NAMES, ucxPerftest, ucxWarmup, type UcxTransport } from '../external.js';
 import { bytesOf, descriptorsOf, regionNeeded, rng, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
@@ -105,6 +106,26 @@ const REREAD_NAMES: Record<KvRereadMethod, (transport: string) => string> = {
   'tcp-reread': (t) => `${t}: engine.prepare + run(), one block re-read, window 1 (ucx_perftest ucp_get shape)`,
   'memcpy-shm-reread': () => 'memcpy of one block re-read out of a shared segment, window 1 (ucx_perftest ucp_get shape)',
 };
+
+/**
+ * The kernel's transparent huge page modes, which decide how far the memcpy baseline (process
+ * heap) and the same-host transport (shared segments) are apart: a segment mapped with 4 KiB
+ * pages costs a TLB miss per 4 KiB that a 2 MiB page does not.
+ */
+function hugePageNote(): string {
+  const mode = (file: string): string | undefined => {
+    try {
+      return /\[(\w+)\]/.exec(readFileSync(`/sys/kernel/mm/transparent_hugepage/${file}`, 'utf8'))?.[1];
+    } catch {
+      return undefined;
+    }
+  };
+  const anon = mode('enabled');
+  const shmem = mode('shmem_enabled');
+  if (anon === undefined || shmem === undefined) return 'transparent huge page modes unknown here (no /sys/kernel/mm/transparent_hugepage)';
+  const why = shmem === 'never' || shmem === 'deny' ? ': shared segments use 4 KiB pages here while process heap can use 2 MiB pages, so memcpy out of the heap is the faster baseline' : '';
+  return `transparent huge pages: process heap "${anon}", shared memory "${shmem}"${why}`;
+}
 
 /** Goals from the issue, by ratio kind and shape. */
 function goal(kind: 'same-host' | 'tcp', c: KvConfig): number | undefined {
@@ -267,6 +288,8 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       value: small.grantUs / large.grantUs,
       ...(large.ranges >= 10_000 ? { goal: 0.5, pass: small.grantUs / large.grantUs >= 0.5 } : {}),
     });
+    const marginalNs = ((large.grantUs - small.grantUs) * 1e3) / (large.ranges - small.ranges);
+    const grantNote = `grant cost split (sorted rows): ${small.grantUs.toFixed(1)} µs for ${small.ranges} ranges (what every grant pays: the engine's checks, each transport's record, the token and descriptor), then ${marginalNs > 0 ? `${marginalNs.toFixed(1)} ns` : 'no cost above the noise of this run'} per further range (the engine's one range check pass and each transport's range record: a native write for cuda-ipc, none for TCP, which keeps the engine's checked copy)`;
     const us = gc.unsorted[0] as { ranges: number; layers: number; grantUs: number };
     const ul = gc.unsorted[gc.unsorted.length - 1] as { ranges: number; layers: number; grantUs: number };
     ratios.push({
@@ -289,6 +312,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     });
 
     const notes: string[] = [
+      grantNote,
       `holder region: ${formatBytes(s.regionBytes)} (${unavailable === undefined ? 'a shared segment from allocateSharedMemory' : 'process memory'}), registered once with ${ready.transports.join(', ')}`,
       ...ready.notes,
       ...hello.notes,
@@ -299,7 +323,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs, for two orders of the same kind of lease: sorted (stride 7919 blocks, in offset order) and unsorted (the order of a real lease\'s blocks: layer-major, the same random block ids in every layer, as the kv fetches; offsets rise only across layers); against engine.register of each 4 KiB block separately (what a lease cost before range grants). The flatness ratio with the goal (0.5 at 10,000) and the per-block comparison are computed from the sorted rows, as before; the unsorted rows have their own flatness ratio and a sorted/unsorted ratio, without goals',
       'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
       'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call)',
-      'memcpy-shm baseline: the same loop, out of a shared segment of the requester filled with the same pattern: what the same-host transport copies from (shared segments get no transparent huge pages on this kernel, process heap can)',
+      `memcpy-shm baseline: the same loop, out of a shared segment of the requester filled with the same pattern: what the same-host transport copies from; ${hugePageNote()}`,
       'raw baseline: the holder writes the same byte count per fetch from its region as one contiguous run over one node:net socket (slices of at most 4 MiB), received straight into the destination with onread: no per-descriptor work, a ceiling for TCP',
     ];
     if (unavailable !== undefined) notes.push(`same-host transport unavailable here: ${unavailable}`);
