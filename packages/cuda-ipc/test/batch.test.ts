@@ -21,6 +21,7 @@ import {
 } from '@tensorwire/core';
 import { CudaIpcTransport, TensorPool, allocateSharedMemory, decodePayload, native, releaseSharedMemory, type PoolView } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
+import { failure } from './pool-fixtures.js';
 
 const DATA_OFFSET = 4096;
 const SLOT = 160_000;
@@ -83,17 +84,6 @@ async function local(bytes: number, fill = 0xee): Promise<{ handle: object; buff
   const buffer = new Uint8Array(bytes).fill(fill);
   const reg = await ta.register({ kind: 'host', buffer });
   return { handle: reg.handle, buffer };
-}
-
-/** The error `p` rejects with (fails the test when it resolves). */
-async function rejection(p: Promise<unknown>): Promise<TensorwireError> {
-  try {
-    await p;
-  } catch (e) {
-    expect(e).toBeInstanceOf(TensorwireError);
-    return e as TensorwireError;
-  }
-  throw new Error('expected a rejection');
 }
 
 describe('cuda-ipc batches', () => {
@@ -170,7 +160,7 @@ describe('cuda-ipc batches', () => {
       for (const [label, bad, type, remoteCode] of cases) {
         const list = Array.from({ length: n }, (_, i) => (i === 500 ? { ...bad, remote } : good(i, remote)));
         dst.buffer.fill(0xee);
-        const err = await rejection(conn.execute(0, createTransferBatch('read', list), opts()));
+        const err = await failure(conn.execute(0, createTransferBatch('read', list), opts()));
         expect(err, label).toBeInstanceOf(type);
         expect(err.details['request'], label).toBe(507);
         if (remoteCode) expect((err as RemoteRejectedError).remoteCode, label).toBe(remoteCode);
@@ -184,12 +174,12 @@ describe('cuda-ipc batches', () => {
     try {
       dst.buffer.fill(9);
       const list = Array.from({ length: n }, (_, i) => (i === 500 ? { ...good(i, targetRemote), remoteOffset: n * 64 - 3, length: 8 } : good(i, targetRemote)));
-      const err = await rejection(conn.execute(0, createTransferBatch('write', list), opts()));
+      const err = await failure(conn.execute(0, createTransferBatch('write', list), opts()));
       expect((err as RemoteRejectedError).remoteCode).toBe('bounds');
       expect(err.details['request']).toBe(507);
       expect(target.every((x) => x === 0)).toBe(true);
       // A write into a pool slot is refused before anything moves, naming the first request that asks for it.
-      const slotWrite = await rejection(conn.execute(0, createTransferBatch('write', [good(0, targetRemote), good(1)]), opts()));
+      const slotWrite = await failure(conn.execute(0, createTransferBatch('write', [good(0, targetRemote), good(1)]), opts()));
       expect((slotWrite as RemoteRejectedError).remoteCode).toBe('read-only');
       expect(slotWrite.details['request']).toBe(8);
       expect(target.every((x) => x === 0)).toBe(true);
@@ -213,7 +203,7 @@ describe('cuda-ipc batches', () => {
     expect(dst.buffer.subarray(4096).every((x) => x === 3)).toBe(true);
     await tb.revoke(reg.handle);
     dst.buffer.fill(0xee);
-    const err = await rejection(conn.execute(0, batch, opts()));
+    const err = await failure(conn.execute(0, batch, opts()));
     expect(err).toBeInstanceOf(RemoteRejectedError);
     expect((err as RemoteRejectedError).remoteCode).toBe('revoked');
     expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
@@ -246,12 +236,12 @@ describe('cuda-ipc batches', () => {
       live.buffer.fill(0xee);
       gone.buffer.fill(0xee);
       target.fill(0);
-      const err = await rejection(conn.execute(0, read, opts()));
+      const err = await failure(conn.execute(0, read, opts()));
       expect(err).toBeInstanceOf(InvalidInputError);
       expect(err.details['request']).toBe(8);
       expect(live.buffer.every((x) => x === 0xee), 'bytes moved into the live local').toBe(true);
       expect(gone.buffer.every((x) => x === 0xee), 'bytes moved into the revoked local').toBe(true);
-      const werr = await rejection(conn.execute(0, write, opts()));
+      const werr = await failure(conn.execute(0, write, opts()));
       expect(werr).toBeInstanceOf(InvalidInputError);
       expect(werr.details['request']).toBe(4);
       expect(target.every((x) => x === 0), 'bytes of the batch reached the peer').toBe(true);
@@ -268,7 +258,7 @@ describe('cuda-ipc batches', () => {
     gen[0] = (gen[0] as bigint) + 1n; // a writer that took the lock and stalled
     try {
       const t0 = Date.now();
-      const err = await rejection(conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: 64 }]), { signal, deadline: Date.now() + 100 }));
+      const err = await failure(conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: 64 }]), { signal, deadline: Date.now() + 100 }));
       expect(err).toBeInstanceOf(TimedOutError);
       expect(Date.now() - t0).toBeLessThan(1500); // the deadline, not the 2 s stuck-writer bound
     } finally {

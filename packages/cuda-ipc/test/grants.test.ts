@@ -16,7 +16,6 @@ import {
   InvalidInputError,
   RemoteRejectedError,
   ResourceExhaustedError,
-  TensorwireError,
   TimedOutError,
   TransferEngine,
   createTransferBatch,
@@ -29,6 +28,7 @@ import {
 } from '@tensorwire/core';
 import { CudaIpcTransport, TensorPool, allocateSharedMemory, decodePayload, native, releaseSharedMemory } from '../src/index.js';
 import { fixture, killChildren, uniqueOwner } from './helpers.js';
+import { failure } from './pool-fixtures.js';
 
 const pid = process.pid;
 const BLOCK = 4096;
@@ -77,16 +77,6 @@ function tableOf(payload: Uint8Array): { mapping: ArrayBuffer; dv: DataView; rec
   const dir = dv.getUint32(1028, true);
   const dirAt = 4096 + records * 64;
   return { mapping, dv, record: f.record, recordAt: 4096 + f.record * 64, dirAt, arenaAt: dirAt + dir * 256 };
-}
-
-async function rejection(p: Promise<unknown>): Promise<TensorwireError> {
-  try {
-    await p;
-  } catch (e) {
-    expect(e).toBeInstanceOf(TensorwireError);
-    return e as TensorwireError;
-  }
-  throw new Error('expected a rejection');
 }
 
 function message<T>(child: ChildProcess, pred: (m: Record<string, unknown>) => boolean): Promise<T> {
@@ -159,7 +149,7 @@ describe('cuda-ipc range grants', () => {
     await g.revoke();
     await Promise.all(more.map((x) => x.revoke()));
     expect(tb.grantTables()[0]?.live).toBe(0);
-    const err = await rejection(a.read(b.endpoint(), [{ local: ra, remote: g.descriptor, range: 0, length: BLOCK }]));
+    const err = await failure(a.read(b.endpoint(), [{ local: ra, remote: g.descriptor, range: 0, length: BLOCK }]));
     expect(err).toBeInstanceOf(RemoteRejectedError);
     expect((err as RemoteRejectedError).remoteCode).toBe('revoked');
     await reg.revoke();
@@ -208,7 +198,7 @@ describe('cuda-ipc range grants', () => {
       for (let x = 0; x < 50; x++) expect(dst[x]).toBe(pattern(100 + x + 499));
       for (let x = 0; x < 50; x++) expect(dst[50 + x]).toBe(pattern(x + 996));
       // A one-sided write into a pool slot would bypass its seqlock: refused, naming the request.
-      const err = await rejection(
+      const err = await failure(
         a.write(b.endpoint(), [
           { local: ra, remote: g.descriptor, range: 7, length: 16 },
           { local: ra, localOffset: 64, remote: g.descriptor, range: 8, length: 16 },
@@ -257,7 +247,7 @@ describe('cuda-ipc range grants', () => {
         [3, BLOCK, 1],
         [0, 2 ** 52, 1],
       ] as const) {
-        const err = await rejection(one(rr, off, len));
+        const err = await failure(one(rr, off, len));
         expect(err, `${rr}: ${off}+${len}`).toBeInstanceOf(RemoteRejectedError);
         expect((err as RemoteRejectedError).remoteCode).toBe('bounds');
         expect(err.details['request']).toBe(5);
@@ -266,7 +256,7 @@ describe('cuda-ipc range grants', () => {
       // this one's in the span table (so range 4 of the first would be range 0 of the second).
       const other = tb.grant({ handles: [reg.handle], count: 4, ranges, bytes: 4 * BLOCK }) as { handle: object; payload: Uint8Array };
       const otherRemote = ta.decodeRemote(other.payload, 'host', 4 * BLOCK, lengths);
-      const noRange = await rejection(
+      const noRange = await failure(
         conn.execute(
           0,
           createTransferBatch('read', [
@@ -281,7 +271,7 @@ describe('cuda-ipc range grants', () => {
       expect(dst.every((x) => x === 0xee)).toBe(true);
       // Lying range lengths (a longer range 1) change nothing: the table bounds every range.
       const liar = ta.decodeRemote(g.payload, 'host', 5 * BLOCK, Float64Array.of(BLOCK, 2 * BLOCK, BLOCK, BLOCK));
-      const lie = await rejection(one(1, BLOCK, 16, liar));
+      const lie = await failure(one(1, BLOCK, 16, liar));
       expect((lie as RemoteRejectedError).remoteCode).toBe('bounds');
       await one(1, 16, 16, liar);
       expect(Buffer.compare(dst.subarray(0, 16), region.subarray(2 * BLOCK + 16, 2 * BLOCK + 32))).toBe(0);
@@ -327,7 +317,7 @@ describe('cuda-ipc range grants', () => {
       const table = tableOf(g.payload);
       for (const [label, payload, code] of cases) {
         const forged = payload === fiveRanges ? ta.decodeRemote(payload, 'host', 5 * BLOCK, Float64Array.of(BLOCK, BLOCK, BLOCK, BLOCK, BLOCK)) : ta.decodeRemote(payload, 'host', 4 * BLOCK, lengths);
-        const err = await rejection(one(0, 0, BLOCK, forged));
+        const err = await failure(one(0, 0, BLOCK, forged));
         expect(err, label).toBeInstanceOf(RemoteRejectedError);
         expect((err as RemoteRejectedError).remoteCode, label).toBe(code);
         expect(err.details['request'], label).toBe(5);
@@ -345,7 +335,7 @@ describe('cuda-ipc range grants', () => {
       await conn.execute(0, batch, opts);
       await tb.revokeGrant(g.handle);
       dst.fill(0xee);
-      const revoked = await rejection(conn.execute(0, batch, opts));
+      const revoked = await failure(conn.execute(0, batch, opts));
       expect((revoked as RemoteRejectedError).remoteCode).toBe('revoked');
       expect(dst.every((x) => x === 0xee)).toBe(true);
       // Wrong handles.
@@ -383,7 +373,7 @@ describe('cuda-ipc range grants', () => {
     const pz = fields(zeroed);
     new DataView(zeroed.buffer).setBigUint64(pz.at.generation, BigInt(pz.generation + 1));
     zeroed.fill(0, pz.at.token, pz.at.token + 16);
-    const dead = await rejection(a.read(b.endpoint(), [{ local: ra, remote: withPayload(g1.descriptor, zeroed), range: 0, length: 1024 }]));
+    const dead = await failure(a.read(b.endpoint(), [{ local: ra, remote: withPayload(g1.descriptor, zeroed), range: 0, length: 1024 }]));
     expect((dead as RemoteRejectedError).remoteCode).toBe('revoked');
     // The record comes back at the next generation; the old payload is refused even though the
     // requester cached its range table, and the new grant reads its own ranges.
@@ -393,7 +383,7 @@ describe('cuda-ipc range grants', () => {
     expect(p2.table).toBe(p1.table);
     expect(p2.generation).toBe(p1.generation + 1);
     dst.fill(0);
-    const stale = await rejection(a.read(b.endpoint(), [{ local: ra, remote: g1.descriptor, range: 0, length: 1024 }]));
+    const stale = await failure(a.read(b.endpoint(), [{ local: ra, remote: g1.descriptor, range: 0, length: 1024 }]));
     expect(stale).toBeInstanceOf(RemoteRejectedError);
     expect((stale as RemoteRejectedError).remoteCode).toBe('revoked');
     expect(dst.every((x) => x === 0)).toBe(true);
@@ -402,7 +392,7 @@ describe('cuda-ipc range grants', () => {
     // The payload of g1 with g2's generation (the old token) is refused too.
     const q = payloadOf(g1.descriptor).slice();
     new DataView(q.buffer).setBigUint64(p1.at.generation, BigInt(p2.generation));
-    const oldToken = await rejection(a.read(b.endpoint(), [{ local: ra, remote: withPayload(g1.descriptor, q), range: 0, length: 1024 }]));
+    const oldToken = await failure(a.read(b.endpoint(), [{ local: ra, remote: withPayload(g1.descriptor, q), range: 0, length: 1024 }]));
     expect((oldToken as RemoteRejectedError).remoteCode).toBe('bad-token');
     // Exactly once: the next grant takes the other record, then the table is full and a second
     // (twice as large) table is made.
@@ -473,7 +463,7 @@ describe('cuda-ipc range grants', () => {
         conn.execute(0, createTransferBatch('read', [{ local: local.handle, localOffset: 0, remote: ta.decodeRemote(payload, 'host', 100 * lengths.length, lengths), remoteOffset: 0, length: 100, remoteRange: rr }]), opts);
       await read(both.payload, Float64Array.of(100, 100), 1);
       await tb.revoke(reg1.handle);
-      expect(((await rejection(read(both.payload, Float64Array.of(100, 100), 1))) as RemoteRejectedError).remoteCode).toBe('revoked');
+      expect(((await failure(read(both.payload, Float64Array.of(100, 100), 1))) as RemoteRejectedError).remoteCode).toBe('revoked');
       await read(only2.payload, Float64Array.of(100), 0);
       // A revoked registration cannot be granted again.
       expect(() => tb.grant({ handles: [reg1.handle], count: 1, ranges: Float64Array.of(0, 0, 1), bytes: 1 })).toThrow(InvalidInputError);
@@ -527,7 +517,7 @@ describe('cuda-ipc range grants', () => {
       const t = tableOf(payloadOf(g.descriptor));
       const range0 = t.arenaAt + u64(t.dv, t.recordAt + 32);
       const restore = tamper(t, range0);
-      const err = await rejection(read(g.descriptor));
+      const err = await failure(read(g.descriptor));
       restore();
       expect(err, label).toBeInstanceOf(RemoteRejectedError);
       expect((err as RemoteRejectedError).remoteCode, label).toBe(code);
@@ -548,7 +538,7 @@ describe('cuda-ipc range grants', () => {
       const restore = swap32(t.dv, at, value);
       const c = await engine();
       const rc = await c.register({ kind: 'host', buffer: new Uint8Array(16) });
-      const err = await rejection(c.read(b.endpoint(), [{ local: rc, remote: g.descriptor, range: 0, length: 16 }]));
+      const err = await failure(c.read(b.endpoint(), [{ local: rc, remote: g.descriptor, range: 0, length: 16 }]));
       restore();
       expect(err, `ext ${at}`).toBeInstanceOf(RemoteRejectedError);
       expect((err as RemoteRejectedError).remoteCode).toBe('bad-grant');

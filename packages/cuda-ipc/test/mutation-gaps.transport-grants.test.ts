@@ -14,7 +14,6 @@ import {
   GRANT_STRIDE,
   InvalidInputError,
   RemoteRejectedError,
-  TensorwireError,
   createTransferBatch,
   defaultHostId,
   silentLogger,
@@ -25,6 +24,7 @@ import {
 import { afterEach, describe, expect, it } from 'vitest';
 import { CudaIpcTransport, TensorPool, allocateSharedMemory, decodePayload, native, releaseSharedMemory } from '../src/index.js';
 import { uniqueOwner } from './helpers.js';
+import { failure } from './pool-fixtures.js';
 
 const pid = process.pid;
 const BLOCK = 4096;
@@ -83,15 +83,6 @@ async function pair(options: ConstructorParameters<typeof CudaIpcTransport>[0] =
   return { ta, tb, hosts, conn, connect, dst, local, shared, post, logger, nodeB: (hosts[1] as TransportHost).identity.nodeId };
 }
 
-async function rejection(p: Promise<unknown>): Promise<TensorwireError> {
-  try {
-    await p;
-  } catch (e) {
-    expect(e).toBeInstanceOf(TensorwireError);
-    return e as TensorwireError;
-  }
-  throw new Error('expected a rejection');
-}
 function thrown(f: () => unknown): InvalidInputError {
   try {
     f();
@@ -149,7 +140,7 @@ describe('a whole-registration grant segment, checked by the reader (#grant, #re
       try {
         // A new connection (a connection caches the grants it checked) and the payload decoded afresh.
         const fresh = await s.connect();
-        const err = await rejection(s.post('read', s.ta.decodeRemote(reg.payload, 'host', BLOCK), 64, undefined, fresh));
+        const err = await failure(s.post('read', s.ta.decodeRemote(reg.payload, 'host', BLOCK), 64, undefined, fresh));
         await fresh.close();
         expect(err, label).toBeInstanceOf(RemoteRejectedError);
         expect(err.message, label).toBe(message);
@@ -163,7 +154,7 @@ describe('a whole-registration grant segment, checked by the reader (#grant, #re
     // Ending exactly at the largest segment is not a bad target (it fails later, for another reason).
     const restore = swap64(seg, G_OFFSET, 2 ** 40 - BLOCK);
     try {
-      const err = await rejection(s.post('read', s.ta.decodeRemote(reg.payload, 'host', BLOCK), 64, undefined, await s.connect()));
+      const err = await failure(s.post('read', s.ta.decodeRemote(reg.payload, 'host', BLOCK), 64, undefined, await s.connect()));
       expect(err.message).not.toMatch(/invalid target/);
     } finally {
       restore();
@@ -178,7 +169,7 @@ describe('a whole-registration grant segment, checked by the reader (#grant, #re
     cleanups.push(() => tc.close());
     const third = await tc.register({ kind: 'host', buffer: s.shared() });
     const name = decodePayload(third.payload, 'host', BLOCK).grantName;
-    const foreign = await rejection(s.post('read', s.ta.decodeRemote(third.payload, 'host', BLOCK)));
+    const foreign = await failure(s.post('read', s.ta.decodeRemote(third.payload, 'host', BLOCK)));
     expect(foreign).toBeInstanceOf(RemoteRejectedError);
     expect(foreign.message).toBe(`grant ${name} was not issued by ${s.nodeB}`);
     expect((foreign as RemoteRejectedError).remoteCode).toBe('foreign-grant');
@@ -187,7 +178,7 @@ describe('a whole-registration grant segment, checked by the reader (#grant, #re
     const reg = await s.tb.register({ kind: 'host', buffer: s.shared() });
     const remote = s.ta.decodeRemote(reg.payload, 'host', BLOCK) as { grantName: string };
     const gone = { ...remote, grantName: `${remote.grantName.slice(0, -4)}zzzz` };
-    const unknown = await rejection(s.post('read', gone));
+    const unknown = await failure(s.post('read', gone));
     expect(unknown).toBeInstanceOf(RemoteRejectedError);
     expect(unknown.message).toBe(`grant ${gone.grantName} is revoked or unknown`);
     expect((unknown as RemoteRejectedError).remoteCode).toBe('unknown-grant');
@@ -197,7 +188,7 @@ describe('a whole-registration grant segment, checked by the reader (#grant, #re
 
   it('a remote the transport did not decode is InvalidInputError naming the request', async () => {
     const s = await pair();
-    const e = await rejection(s.post('read', { kind: 'host', grantName: '/tw-g.x.y', token: new Uint8Array(15), length: 64 }));
+    const e = await failure(s.post('read', { kind: 'host', grantName: '/tw-g.x.y', token: new Uint8Array(15), length: 64 }));
     expect(e).toBeInstanceOf(InvalidInputError);
     expect(e.message).toBe('a remote of the batch was not decoded by the cuda-ipc transport');
     expect(e.details).toMatchObject({ field: 'remote', request: 3 });
@@ -216,7 +207,7 @@ describe('a whole-registration grant segment, checked by the reader (#grant, #re
     const remote = s.ta.decodeRemote(reg.payload, 'host', BLOCK) as { grantName: string };
     await s.post('read', remote);
     expect(s.dst[0]).toBe(0x22);
-    const err = await rejection(s.post('write', remote));
+    const err = await failure(s.post('write', remote));
     expect(err).toBeInstanceOf(RemoteRejectedError);
     expect((err as RemoteRejectedError).remoteCode).toBe('read-only');
     expect(err.message).toBe(`grant ${remote.grantName} is a pool slot: peers may read it, only its owner writes it (pool.write)`);
