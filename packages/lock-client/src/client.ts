@@ -47,12 +47,18 @@ import {
   type AcquireResponseMsg,
   type BlockGrantMsg,
   type HealthResponseMsg,
+  type LockMethod,
   type LockServiceClient,
   type ReleaseManyResponseMsg,
   type ReleaseResponseMsg,
   type RenewManyResponseMsg,
   type RenewResponseMsg,
+  type Unary,
 } from './proto.js';
+import { SessionStream, type SessionStats } from './session.js';
+
+/** Default {@link LockClientOptions.sessionIdleMs}. */
+const DEFAULT_SESSION_IDLE_MS = 1000;
 
 export type { ReleaseResult, RetryBudget } from './holder-lane.js';
 
@@ -71,6 +77,15 @@ export interface LockClientOptions {
   /** Channel credentials, e.g. `grpc.credentials.createSsl(ca)`. Default: insecure. */
   readonly credentials?: grpc.ChannelCredentials;
   readonly channelOptions?: grpc.ChannelOptions;
+  /**
+   * Make the calls to each holder as messages of one long-lived `Session` stream (default
+   * true): the same calls, answers and deadlines as unary calls, without a gRPC call per
+   * request. A holder without Session is detected on first use and called unary. False: every
+   * call unary.
+   */
+  readonly session?: boolean;
+  /** End a holder's Session stream after this long with no call in flight (ms, default 1000). */
+  readonly sessionIdleMs?: number;
   /** Where to register metrics (default: a private Registry, see `registry`). */
   readonly registry?: Registry;
   /** Metric name prefix (default `tensorwire_lock_client_`). */
@@ -386,6 +401,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   readonly #credentials: grpc.ChannelCredentials;
   readonly #metadata: grpc.Metadata;
   readonly #channels = new Map<string, LockServiceClient>();
+  readonly #sessions = new Map<string, SessionStream>();
   readonly #records = new Set<LeaseRecord>();
   readonly #pending = new Set<Promise<unknown>>();
   /** Cancels for acquires in flight (close abandons them). */
@@ -499,6 +515,13 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     return new Map(this.#laneStats());
   }
 
+  /** Per holder called so far with sessions on: its Session stream (see {@link LockClientOptions.session}). */
+  sessionStats(): Map<string, SessionStats> {
+    const out = new Map<string, SessionStats>();
+    for (const [holder, s] of this.#sessions) out.set(holder, s.stats());
+    return out;
+  }
+
   *#laneStats(): IterableIterator<[string, LaneStats]> {
     for (const [holder, lane] of this.#lanes) yield [holder, lane.stats()];
   }
@@ -530,13 +553,13 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     const requesterId = this.requesterId;
     return {
       releaseMany: (sessionIds, acquireIds, timeoutMs, signal) =>
-        this.#call<ReleaseManyResponseMsg>(holder, 'release', (c, md, o, cb) => c.ReleaseMany({ requesterId, sessionIds, acquireIds }, md, o, cb), timeoutMs, signal),
+        this.#call<ReleaseManyResponseMsg>(holder, 'release', 'ReleaseMany', { requesterId, sessionIds, acquireIds }, timeoutMs, signal),
       release: (sessionId, acquireId, timeoutMs, signal) =>
-        this.#call<ReleaseResponseMsg>(holder, 'release', (c, md, o, cb) => c.Release({ requesterId, sessionId, acquireId }, md, o, cb), timeoutMs, signal).then((r) => r.released),
+        this.#call<ReleaseResponseMsg>(holder, 'release', 'Release', { requesterId, sessionId, acquireId }, timeoutMs, signal).then((r) => r.released),
       renewMany: (sessionIds, leaseMs, timeoutMs, signal) =>
-        this.#call<RenewManyResponseMsg>(holder, 'renew', (c, md, o, cb) => c.RenewMany({ requesterId, sessionIds, leaseMs }, md, o, cb), timeoutMs, signal),
+        this.#call<RenewManyResponseMsg>(holder, 'renew', 'RenewMany', { requesterId, sessionIds, leaseMs }, timeoutMs, signal),
       renew: (sessionId, leaseMs, timeoutMs, signal) =>
-        this.#call<RenewResponseMsg>(holder, 'renew', (c, md, o, cb) => c.Renew({ requesterId, sessionId, leaseMs }, md, o, cb), timeoutMs, signal),
+        this.#call<RenewResponseMsg>(holder, 'renew', 'Renew', { requesterId, sessionId, leaseMs }, timeoutMs, signal),
     };
   }
 
@@ -561,29 +584,25 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   }
 
   /**
-   * One unary call: deadline, abort, typed errors. The deadline is the grpc-js `deadline`
-   * call option, so the holder receives it (`grpc-timeout`) and can honour it.
+   * One call: deadline, abort, typed errors. Sent on the holder's Session stream (one message
+   * each way, see session.ts) unless the client was made with `session: false` or the holder
+   * has no Session; then unary, with the deadline as the grpc-js `deadline` call option. Either
+   * way the holder receives the deadline and can honour it, and failures map the same way.
    */
-  #call<Res>(
-    holder: string,
-    what: string,
-    invoke: (c: LockServiceClient, md: grpc.Metadata, opts: grpc.CallOptions, cb: (e: grpc.ServiceError | null, r?: Res) => void) => grpc.ClientUnaryCall,
-    timeoutMs: number,
-    signal: AbortSignal | undefined,
-    cancelOnClose = false,
-  ): Promise<Res> {
+  #call<Res>(holder: string, what: string, method: LockMethod, request: object, timeoutMs: number, signal: AbortSignal | undefined, cancelOnClose = false): Promise<Res> {
     return new Promise<Res>((resolve, reject) => {
       let settled = false;
+      let stop: () => void = () => undefined;
       const cancel = (error: TensorwireError): void => {
         if (settled) return;
         settled = true;
         signal?.removeEventListener('abort', onAbort);
         if (cancelOnClose) this.#inflight.delete(cancel);
-        call.cancel();
+        stop();
         reject(error);
       };
       const onAbort = (): void => cancel(errorFromSignal(signal as AbortSignal, what));
-      const call = invoke(this.#channel(holder), this.#metadata.clone(), { deadline: Date.now() + timeoutMs }, (err, res) => {
+      const done = (err: grpc.ServiceError | null, res?: unknown): void => {
         if (settled) return;
         settled = true;
         signal?.removeEventListener('abort', onAbort);
@@ -593,11 +612,38 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
           const after = err?.code === grpc.status.RESOURCE_EXHAUSTED ? err.metadata?.get(RETRY_AFTER_METADATA_KEY)[0] : undefined;
           const retryAfterMs = after === undefined ? undefined : Number(after);
           reject(fromGrpcError(err, what, retryAfterMs !== undefined && Number.isFinite(retryAfterMs) && retryAfterMs >= 0 ? { holder, retryAfterMs } : { holder }));
-        } else resolve(res);
-      });
+        } else resolve(res as Res);
+      };
+      const until = Date.now() + timeoutMs;
+      const unary = (): void => {
+        const c = this.#channel(holder);
+        const invoke = c[method] as Unary<object, unknown>;
+        const call = invoke.call(c, request, this.#metadata.clone(), { deadline: Math.max(Date.now() + 1, until) }, done);
+        stop = () => call.cancel();
+      };
+      const session = this.#session(holder);
+      if (session === undefined) unary();
+      else {
+        stop = session.call(method, request, timeoutMs, done, () => {
+          if (!settled) unary();
+        });
+      }
+      if (settled) return;
       signal?.addEventListener('abort', onAbort, { once: true });
       if (cancelOnClose) this.#inflight.add(cancel);
     });
+  }
+
+  /** The holder's Session stream, or undefined when calls to it go unary. */
+  #session(holder: string): SessionStream | undefined {
+    if (this.#opts.session === false) return undefined;
+    let s = this.#sessions.get(holder);
+    if (s === undefined) {
+      const c = this.#channel(holder);
+      s = new SessionStream(() => c.Session(this.#metadata.clone()), loadLockProtocol().codec, this.#opts.sessionIdleMs ?? DEFAULT_SESSION_IDLE_MS);
+      this.#sessions.set(holder, s);
+    }
+    return s.unsupported ? undefined : s;
   }
 
   /**
@@ -659,7 +705,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
         res = await this.#call<AcquireResponseMsg>(
           holder,
           'acquire',
-          (c, md, o, cb) => c.Acquire({ requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true }, md, o, cb),
+          'Acquire',
+          { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true },
           Math.max(1, until - sentAt),
           signal,
           true,
@@ -796,7 +843,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       const res = await this.#call<{ deadlineUnixMs: number; leaseMs: number }>(
         r.holder,
         'renew',
-        (c, md, o, cb) => c.Renew({ requesterId: this.requesterId, sessionId: r.sessionId, leaseMs: Math.floor(leaseMs) }, md, o, cb),
+        'Renew',
+        { requesterId: this.requesterId, sessionId: r.sessionId, leaseMs: Math.floor(leaseMs) },
         this.#timeout(options),
         options.signal,
       );
@@ -898,7 +946,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   /** The holder's health. */
   health(holder: string, options: CallOptions = {}): Promise<HealthResponseMsg> {
     if (this.#isClosing) return Promise.reject(new ClosedError('lock client is closed'));
-    return this.#call<HealthResponseMsg>(holder, 'health', (c, md, o, cb) => c.Health({}, md, o, cb), this.#timeout(options), options.signal);
+    return this.#call<HealthResponseMsg>(holder, 'health', 'Health', {}, this.#timeout(options), options.signal);
   }
 
   /**
@@ -926,6 +974,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     // limit cancels its calls in flight and fails what is left: every release then resolves.
     await Promise.all(lanes.map((lane) => lane.close(limit)));
     while (this.#pending.size > 0) await Promise.allSettled([...this.#pending]);
+    for (const s of this.#sessions.values()) s.close();
+    this.#sessions.clear();
     for (const c of this.#channels.values()) c.close();
     this.#channels.clear();
     this.#metrics.unregister();

@@ -35,6 +35,8 @@ import type {
   RenewManyResponseMsg,
   RenewRequestMsg,
   RenewResponseMsg,
+  SessionRequestMsg,
+  SessionResponseMsg,
 } from './proto.js';
 
 const PACKAGE = 'tensorwire.lock.v1';
@@ -73,6 +75,19 @@ function list<T>(v: T[]): T[] {
 }
 
 // What `Type.decode` returns, field by field (defaults come from the prototype).
+interface RawSessionRequest {
+  id: U64;
+  method: string;
+  payload: Buffer;
+  timeoutMs: number;
+}
+interface RawSessionResponse {
+  id: U64;
+  code: number;
+  details: string;
+  retryAfterMs: number | null;
+  payload: Buffer;
+}
 interface RawAcquireRequest {
   requesterId: string;
   blockIds: string[];
@@ -203,6 +218,8 @@ export interface LockCodec {
   ReleaseManyResponse: MessageCodec<ReleaseManyResponseMsg>;
   RenewManyRequest: MessageCodec<RenewManyRequestMsg>;
   RenewManyResponse: MessageCodec<RenewManyResponseMsg>;
+  SessionRequest: MessageCodec<SessionRequestMsg>;
+  SessionResponse: MessageCodec<SessionResponseMsg>;
 }
 
 function entryErrors(v: EntryErrorMsg[]): EntryErrorMsg[] {
@@ -254,6 +271,8 @@ export function createLockCodec(protoPath: string): LockCodec {
   const tReleaseManyRes = type('ReleaseManyResponse');
   const tRenewManyReq = type('RenewManyRequest');
   const tRenewManyRes = type('RenewManyResponse');
+  const tSessionReq = type('SessionRequest');
+  const tSessionRes = type('SessionResponse');
   const statusEnum = root.lookupEnum(`${PACKAGE}.HealthResponse.Status`);
   const statusNumber = new Map<string, number>(Object.entries(statusEnum.values));
   const statusName: (string | undefined)[] = [];
@@ -363,6 +382,22 @@ export function createLockCodec(protoPath: string): LockCodec {
         const deadlines: number[] = new Array<number>(r.deadlineUnixMs.length);
         for (let i = 0; i < deadlines.length; i++) deadlines[i] = u64(r.deadlineUnixMs[i] as U64);
         return { deadlineUnixMs: deadlines, leaseMs: list(r.leaseMs), errors: entryErrors(r.errors) };
+      },
+    },
+    SessionRequest: {
+      encode: (m) => enc(tSessionReq, m),
+      decode: (b) => {
+        const r = dec<RawSessionRequest>(tSessionReq, b);
+        return { id: u64(r.id), method: r.method, payload: r.payload, timeoutMs: r.timeoutMs };
+      },
+    },
+    SessionResponse: {
+      encode: (m) => enc(tSessionRes, m),
+      decode: (b) => {
+        const r = dec<RawSessionResponse>(tSessionRes, b);
+        const out: SessionResponseMsg = { id: u64(r.id), code: r.code, details: r.details, payload: r.payload };
+        if (r.retryAfterMs != null) out.retryAfterMs = r.retryAfterMs;
+        return out;
       },
     },
     HealthResponse: {

@@ -24,6 +24,7 @@ export type {
   RetryBudget,
 } from './client.js';
 export type { LaneStats } from './holder-lane.js';
+export type { SessionStats } from './session.js';
 export type { LockClientCounters } from './metrics.js';
 export { DEFAULT_CLIENT_METRICS_PREFIX } from './metrics.js';
 export { fromGrpcError, LeaseError } from './errors.js';
@@ -47,4 +48,7 @@ export type {
   RenewManyResponseMsg,
   RenewRequestMsg,
   RenewResponseMsg,
+  LockMethod,
+  SessionRequestMsg,
+  SessionResponseMsg,
 } from './proto.js';

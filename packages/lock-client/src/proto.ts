@@ -4,7 +4,7 @@
  */
 import { fileURLToPath } from 'node:url';
 import * as grpc from '@grpc/grpc-js';
-import { createLockCodec, type MessageCodec } from './codec.js';
+import { createLockCodec, type LockCodec, type MessageCodec } from './codec.js';
 
 /** Absolute path of the `.proto` file shipped with the package. */
 export const LOCK_PROTO_PATH: string = fileURLToPath(new URL('../proto/tensorwire/lock/v1/lock.proto', import.meta.url));
@@ -92,6 +92,27 @@ export interface HealthResponseMsg {
   activeBlocks: number;
 }
 
+/** One call of a `Session` stream: `payload` is the request of unary `method`, encoded. */
+export interface SessionRequestMsg {
+  id: number;
+  method: string;
+  payload: Buffer;
+  timeoutMs: number;
+}
+
+/** The answer to a {@link SessionRequestMsg}: status `code` (0: `payload` is the method's response). */
+export interface SessionResponseMsg {
+  id: number;
+  code: number;
+  details: string;
+  /** Only with an overload RESOURCE_EXHAUSTED. */
+  retryAfterMs?: number;
+  payload: Buffer;
+}
+
+/** The unary methods, by the names `Session` messages carry. */
+export type LockMethod = 'Acquire' | 'Release' | 'Renew' | 'Health' | 'ReleaseMany' | 'RenewMany';
+
 export type Unary<Req, Res> = (
   request: Req,
   metadata: grpc.Metadata,
@@ -107,6 +128,7 @@ export interface LockServiceClient extends grpc.Client {
   Health: Unary<HealthRequestMsg, HealthResponseMsg>;
   ReleaseMany: Unary<ReleaseManyRequestMsg, ReleaseManyResponseMsg>;
   RenewMany: Unary<RenewManyRequestMsg, RenewManyResponseMsg>;
+  Session: (metadata: grpc.Metadata, options?: grpc.CallOptions) => grpc.ClientDuplexStream<SessionRequestMsg, SessionResponseMsg>;
 }
 
 export interface LockServiceClientConstructor {
@@ -128,7 +150,7 @@ function method<Req, Res>(name: string, req: MessageCodec<Req>, res: MessageCode
   };
 }
 
-let cached: { service: grpc.ServiceDefinition; Client: LockServiceClientConstructor } | undefined;
+let cached: { service: grpc.ServiceDefinition; Client: LockServiceClientConstructor; codec: LockCodec } | undefined;
 
 /**
  * The protocol, built once per process: the service definition and the client
@@ -137,7 +159,7 @@ let cached: { service: grpc.ServiceDefinition; Client: LockServiceClientConstruc
  * `@grpc/proto-loader` would give them (`longs: Number, enums: String, bytes: Buffer,
  * defaults, arrays`), without its generic object conversion on every call.
  */
-export function loadLockProtocol(): { service: grpc.ServiceDefinition; Client: LockServiceClientConstructor } {
+export function loadLockProtocol(): { service: grpc.ServiceDefinition; Client: LockServiceClientConstructor; codec: LockCodec } {
   if (cached) return cached;
   const c = createLockCodec(LOCK_PROTO_PATH);
   const service: grpc.ServiceDefinition = {
@@ -147,9 +169,19 @@ export function loadLockProtocol(): { service: grpc.ServiceDefinition; Client: L
     Health: method('Health', c.HealthRequest, c.HealthResponse),
     ReleaseMany: method('ReleaseMany', c.ReleaseManyRequest, c.ReleaseManyResponse),
     RenewMany: method('RenewMany', c.RenewManyRequest, c.RenewManyResponse),
+    Session: {
+      path: `/${LOCK_SERVICE_NAME}/Session`,
+      requestStream: true,
+      responseStream: true,
+      requestSerialize: c.SessionRequest.encode,
+      requestDeserialize: c.SessionRequest.decode,
+      responseSerialize: c.SessionResponse.encode,
+      responseDeserialize: c.SessionResponse.decode,
+      originalName: 'session',
+    },
   };
   const Client = grpc.makeGenericClientConstructor(service, 'LockService') as unknown as LockServiceClientConstructor;
-  cached = { service: Client.service, Client };
+  cached = { service: Client.service, Client, codec: c };
   return cached;
 }
 

@@ -23,7 +23,10 @@ import {
   type RenewManyResponseMsg,
   type RenewRequestMsg,
   type RenewResponseMsg,
+  type SessionRequestMsg,
+  type SessionResponseMsg,
 } from '../proto.js';
+import { isLockMethod, methodCodecs } from '../session.js';
 import { ExpiryScheduler, type Timers } from './expiry.js';
 import { LeaseTable, type LeaseCounters, type LeaseEndReason, type LeaseInfo, type LeaseTableOptions } from './lease-table.js';
 import { DEFAULT_SERVER_METRICS_PREFIX, registerServerMetrics } from './metrics.js';
@@ -104,6 +107,7 @@ function deadlineOf(call: grpc.ServerUnaryCall<unknown, unknown>): number {
 }
 
 const EMPTY: readonly Uint8Array[] = [];
+const EMPTY_PAYLOAD = Buffer.alloc(0);
 
 function digest(token: string): Buffer {
   return createHash('sha256').update(token).digest();
@@ -145,6 +149,8 @@ export class LockServer implements AsyncDisposable {
   readonly #rejections = new Map<string, number>();
   readonly #unregisterMetrics: () => void;
   readonly #drainWaiters: (() => void)[] = [];
+  /** Open Session streams: ended at shutdown (a graceful gRPC shutdown waits for open calls). */
+  readonly #sessions = new Set<() => void>();
   #state: 'idle' | 'serving' | 'draining' | 'closed' = 'idle';
   #port = 0;
   #closing: Promise<void> | undefined;
@@ -238,7 +244,9 @@ export class LockServer implements AsyncDisposable {
    * runs once `listen()` is called, or call `gc.start()` yourself.
    */
   handlers(): grpc.UntypedServiceImplementation {
-    return {
+    // Session messages are dispatched to this object's methods when they arrive, so a method
+    // replaced on it (mounted on your own server) serves its Session messages too.
+    const handlers: grpc.UntypedServiceImplementation = {
       Acquire: (call: grpc.ServerUnaryCall<AcquireRequestMsg, AcquireResponseMsg>, cb: grpc.sendUnaryData<AcquireResponseMsg>) => {
         const done = this.#admit('acquire', call, cb);
         if (done !== undefined) this.#acquire(call, done);
@@ -263,7 +271,102 @@ export class LockServer implements AsyncDisposable {
         const done = this.#admit('renewMany', call, cb);
         if (done !== undefined) this.#renewMany(call, done);
       },
+      Session: (stream: grpc.ServerDuplexStream<SessionRequestMsg, SessionResponseMsg>) => this.#session(stream, handlers),
     };
+    return handlers;
+  }
+
+  /**
+   * A Session stream: each message is one call of a unary method, handled by that method's
+   * handler exactly as the unary call would be (auth from the stream's metadata, admission,
+   * the deadline the message carries from its arrival, `cancelled` once the stream is gone)
+   * and answered with its id and status. Answers wait for the requester to read them: when the
+   * stream's send buffer is full the stream is not read until it drains, so a requester that
+   * sends without reading is held back by HTTP/2 flow control, not buffered here.
+   */
+  #session(stream: grpc.ServerDuplexStream<SessionRequestMsg, SessionResponseMsg>, handlers: grpc.UntypedServiceImplementation): void {
+    const { codec } = loadLockProtocol();
+    let ended = false;
+    let paused = false;
+    const end = (): void => {
+      if (ended) return;
+      ended = true;
+      this.#sessions.delete(end);
+      try {
+        stream.end();
+      } catch {
+        // already gone
+      }
+    };
+    this.#sessions.add(end);
+    const answer = (m: SessionResponseMsg): void => {
+      if (ended || stream.cancelled) return;
+      if (!stream.write(m) && !paused) {
+        paused = true;
+        stream.pause();
+        stream.once('drain', () => {
+          paused = false;
+          if (!ended) stream.resume();
+        });
+      }
+    };
+    stream.on('data', (m: SessionRequestMsg) => {
+      const id = m.id;
+      const fail = (code: grpc.status, details: string, retryAfterMs?: number): void =>
+        answer({ id, code, details, payload: EMPTY_PAYLOAD, ...(retryAfterMs !== undefined ? { retryAfterMs } : {}) });
+      if (!isLockMethod(m.method) || m.method === ('Session' as string)) {
+        fail(grpc.status.UNIMPLEMENTED, `no method ${JSON.stringify(m.method.slice(0, 64))} in a session`);
+        return;
+      }
+      const codecs = methodCodecs(codec, m.method);
+      let request: unknown;
+      try {
+        request = codecs.request.decode(m.payload);
+      } catch (e) {
+        fail(grpc.status.INTERNAL, `request does not decode: ${e instanceof Error ? e.message : String(e)}`);
+        return;
+      }
+      const deadline = m.timeoutMs > 0 ? Date.now() + m.timeoutMs : Number.POSITIVE_INFINITY;
+      const call = {
+        request,
+        metadata: stream.metadata,
+        get cancelled(): boolean {
+          return ended || stream.cancelled;
+        },
+        getDeadline: (): number => deadline,
+      };
+      const cb = (err: Partial<grpc.ServiceError> | null, value?: unknown): void => {
+        if (err) {
+          const after = err.code === grpc.status.RESOURCE_EXHAUSTED ? err.metadata?.get(RETRY_AFTER_METADATA_KEY)[0] : undefined;
+          const retryAfterMs = after === undefined ? undefined : Number(after);
+          fail(err.code ?? grpc.status.UNKNOWN, err.details ?? err.message ?? '', retryAfterMs !== undefined && Number.isFinite(retryAfterMs) ? retryAfterMs : undefined);
+          return;
+        }
+        let payload: Buffer;
+        try {
+          payload = codecs.response.encode(value);
+        } catch (e) {
+          fail(grpc.status.INTERNAL, `response does not encode: ${e instanceof Error ? e.message : String(e)}`);
+          return;
+        }
+        answer({ id, code: grpc.status.OK, details: '', payload });
+      };
+      const handler = handlers[m.method];
+      if (typeof handler !== 'function') {
+        fail(grpc.status.UNIMPLEMENTED, `method ${m.method} is not served here`);
+        return;
+      }
+      (handler as (call: unknown, cb: unknown) => void)(call, cb);
+    });
+    stream.on('end', end);
+    stream.on('cancelled', () => {
+      ended = true;
+      this.#sessions.delete(end);
+    });
+    stream.on('error', () => {
+      ended = true;
+      this.#sessions.delete(end);
+    });
   }
 
   /**
@@ -577,6 +680,7 @@ export class LockServer implements AsyncDisposable {
     this.table.expireDue();
     const revoked = this.table.revokeAll();
     if (revoked > 0) this.#logger.warn('lock: revoked leases at shutdown', { revoked });
+    for (const end of [...this.#sessions]) end();
     await new Promise<void>((resolve) => {
       const force = setTimeout(() => {
         this.#server.forceShutdown();
