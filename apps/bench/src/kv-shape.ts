@@ -99,7 +99,18 @@ export function firstAdjacent(offsets: Float64Array, blockBytes: number): number
 }
 
 /** What the kv requester measures: the engine on each transport, prepared or not, and the two baselines. */
-export type KvMethod = 'same-host-prepared' | 'same-host-read' | 'same-host-leased' | 'tcp-prepared' | 'tcp-read' | 'tcp-leased' | 'raw' | 'memcpy' | 'memcpy-shm';
+export type KvMethod =
+  | 'same-host-prepared'
+  | 'same-host-read'
+  | 'same-host-leased'
+  | 'same-host-leased-unary'
+  | 'tcp-prepared'
+  | 'tcp-read'
+  | 'tcp-leased'
+  | 'tcp-leased-unary'
+  | 'raw'
+  | 'memcpy'
+  | 'memcpy-shm';
 
 /**
  * The lock-service block id of the descriptor at `offset` of `blockBytes` in the holder's region:

@@ -26,7 +26,7 @@ interface Pair {
   ours: Codec;
 }
 
-function pairs(name: 'Acquire' | 'Release' | 'Renew' | 'Health' | 'ReleaseMany' | 'RenewMany'): { req: Pair; res: Pair } {
+function pairs(name: 'Acquire' | 'Release' | 'Renew' | 'Health' | 'ReleaseMany' | 'RenewMany' | 'Session'): { req: Pair; res: Pair } {
   const ref = refService[name] as unknown as grpc.MethodDefinition<never, never>;
   const ours = loadLockProtocol().service[name] as unknown as grpc.MethodDefinition<never, never>;
   return {
@@ -184,6 +184,24 @@ describe('lock protocol codec', () => {
       ),
       { numRuns: 200 },
     );
+  });
+
+  it('SessionRequest / SessionResponse match protobufjs (retry_after_ms present only when set)', () => {
+    const { req, res } = pairs('Session');
+    fc.assert(
+      fc.property(
+        fc.record({ id: u64, method: text, payload: bytes, timeoutMs: u32 }),
+        fc.record({ id: u64, code: fc.nat(16), details: text, payload: bytes, retryAfterMs: fc.option(u32, { nil: undefined }) }, { requiredKeys: ['id', 'code', 'details', 'payload'] }),
+        unknownFields,
+        (a, b, u) => {
+          agree(req, a, u);
+          agree(res, b, u);
+        },
+      ),
+      { numRuns: 200 },
+    );
+    expect(loadLockProtocol().codec.SessionResponse.decode(loadLockProtocol().codec.SessionResponse.encode({ id: 1, code: 8, details: '', payload: Buffer.alloc(0), retryAfterMs: 0 }))).toMatchObject({ retryAfterMs: 0 });
+    expect('retryAfterMs' in loadLockProtocol().codec.SessionResponse.decode(loadLockProtocol().codec.SessionResponse.encode({ id: 1, code: 0, details: '', payload: Buffer.alloc(0) }))).toBe(false);
   });
 
   it('reads what protobufjs writes for defaults set explicitly, and numeric enums', () => {

@@ -93,9 +93,11 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-prepared': (t) => `${t}: engine.prepare + run()`,
   'same-host-read': (t) => `${t}: engine.read`,
   'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
+  'same-host-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
   'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
+  'tcp-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
   raw: () => 'raw node:net stream (same byte count)',
   memcpy: () => 'memcpy (Buffer.copy per descriptor, JS loop)',
   'memcpy-shm': () => 'memcpy out of a shared segment (Buffer.copy per descriptor, JS loop)',
@@ -155,7 +157,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const hello = await req.next<{ type: string; lanes: ('same-host' | 'tcp')[]; transports: Record<string, string>; notes: string[]; message?: string }>((m) => m['type'] === 'ready' || m['type'] === 'error', ctx.signal);
     if (hello.type === 'error') throw new BenchError(`the kv requester failed: ${hello.message}`);
     const methods: KvMethod[] = [];
-    for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`);
+    for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`, `${l}-leased-unary`);
     methods.push('raw', 'memcpy');
     if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
@@ -258,6 +260,18 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           value: leased / plain,
           ...(lg !== undefined ? { goal: lg, pass: leased / plain >= lg } : {}),
         });
+        // What the Session stream saves: the same leased fetch with every lease call unary.
+        const unary = gbpsOf.get(`${ci}/${lane}-leased-unary`);
+        if (unary !== undefined) {
+          ratios.push({
+            name: `${lane} leased, Session stream/unary calls @ ${label(c)}`,
+            subject: NAMES[`${lane}-leased`](transportOf(`${lane}-leased`)),
+            baseline: NAMES[`${lane}-leased-unary`](transportOf(`${lane}-leased-unary`)),
+            blockBytes: c.blockBytes,
+            descriptors: descriptorsOf(c),
+            value: leased / unary,
+          });
+        }
       }
     }
 

@@ -71,6 +71,8 @@ interface Lane {
 }
 const lanes = new Map<KvLane, Lane>();
 const client = new LockClient({ requesterId: 'kv-requester', logger: silentLogger });
+/** The same flow with every lease call unary (the way before the Session stream): the baseline of the leased rows. */
+const unaryClient = new LockClient({ requesterId: 'kv-requester-unary', session: false, logger: silentLogger });
 const notes: string[] = [];
 
 async function lane(name: KvLane, nodeId: string, transports: TransferEngine['transports']): Promise<void> {
@@ -186,7 +188,7 @@ async function timed(offsets: Float64Array, s: number, fetches: number, random: 
 }
 
 /** Leased: the library's fetch flow per fetch: acquire + one range grant + one batched read + release. */
-async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
+async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient): Promise<Omit<KvMethodResult, 'method'>> {
   const ids: string[] = [];
   const destinations: { local: Registration; offset: number; length: number }[] = [];
   for (let i = 0; i < offsets.length; i++) {
@@ -241,7 +243,11 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
     } else {
       const l = lanes.get(method.startsWith('tcp') ? 'tcp' : 'same-host');
       if (!l) throw new Error(`no ${method} lane in this run`);
-      r = method.endsWith('leased') ? await runLeased(l, offsets, s, fetches, random) : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+      r = method.endsWith('leased')
+        ? await runLeased(l, offsets, s, fetches, random, client)
+        : method.endsWith('leased-unary')
+          ? await runLeased(l, offsets, s, fetches, random, unaryClient)
+          : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
     }
     out.push({ method, ...r });
   }
@@ -297,7 +303,7 @@ ipc.onMessage((m) => {
   const run = async (): Promise<void> => {
     if (m['type'] === 'stop') {
       rawSocket?.destroy();
-      await client.close();
+      await Promise.all([client.close(), unaryClient.close()]);
       await Promise.allSettled([...lanes.values()].map((l) => l.engine.close()));
       process.exit(0);
     }
