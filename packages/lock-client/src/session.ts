@@ -16,14 +16,15 @@
  *   DEADLINE_EXCEEDED when it runs out; a late answer is then ignored.
  * - **Cancel** forgets the call: its answer, if any, is ignored. (A unary cancel reaches the
  *   holder; the callers here only cancel what they release by acquire id anyway.)
- * - **The stream ends** (holder gone, restarted, shut down, network): every call in flight on
- *   it fails UNAVAILABLE (or with the stream's own failure status), as unary calls would, and
- *   the next call opens a new stream.
+ * - **The stream ends** (holder gone, restarted, shut down, network, a message over the size
+ *   limit): every call in flight on it fails UNAVAILABLE, as on a broken connection (each may
+ *   or may not have been done; an acquire's possible grant is then released by acquire id),
+ *   and the next call opens a new stream.
  * - **Old holders.** A holder without `Session` ends the stream UNIMPLEMENTED before reading a
  *   message; the calls in flight on it are then made unary (nothing was done with them), and so
  *   is every later call to that holder.
- * - **Idle.** With no call in flight for `idleMs` the stream is ended, so an idle client holds
- *   no open call (and no reference that keeps the process running).
+ * - **Idle.** With no call in flight for `idleMs` the stream is cancelled, so an idle client
+ *   holds no open call (and no reference that keeps the process running).
  */
 import * as grpc from '@grpc/grpc-js';
 import type { LockCodec, MessageCodec } from './codec.js';
@@ -34,6 +35,8 @@ import { RETRY_AFTER_METADATA_KEY } from './proto.js';
 export type SessionCallback = (error: grpc.ServiceError | null, response?: unknown) => void;
 
 type Duplex = grpc.ClientDuplexStream<SessionRequestMsg, SessionResponseMsg>;
+
+const MAX_TIMER_MS = 0x7fffffff;
 
 interface Entry {
   readonly method: LockMethod;
@@ -135,14 +138,18 @@ export class SessionStream {
     const conn = this.#connection();
     const id = this.#nextId++;
     const entry: Entry = { method, cb, fallback, timer: undefined };
-    entry.timer = setTimeout(() => {
-      entry.timer = undefined;
-      if (conn.pending.get(id) !== entry) return;
-      conn.pending.delete(id);
-      this.#idleCheck(conn);
-      cb(serviceError(grpc.status.DEADLINE_EXCEEDED, 'Deadline exceeded'));
-    }, timeoutMs);
-    entry.timer.unref?.();
+    // A timer holds at most 2^31-1 ms (Node fires a longer one after 1 ms): beyond that the
+    // call waits for its answer or the end of the stream.
+    if (timeoutMs <= MAX_TIMER_MS) {
+      entry.timer = setTimeout(() => {
+        entry.timer = undefined;
+        if (conn.pending.get(id) !== entry) return;
+        conn.pending.delete(id);
+        this.#idleCheck(conn);
+        cb(serviceError(grpc.status.DEADLINE_EXCEEDED, 'Deadline exceeded'));
+      }, timeoutMs);
+      entry.timer.unref?.();
+    }
     conn.pending.set(id, entry);
     const ms = Math.min(0xffffffff, Math.max(1, Math.ceil(timeoutMs)));
     conn.stream.write({ id, method, payload, timeoutMs: ms });
@@ -222,11 +229,9 @@ export class SessionStream {
       }
       return;
     }
-    // The stream itself ended with calls in flight: they were lost as on a closed connection.
-    // OK (the holder shut down) and CANCELLED (the holder or the connection dropped it; our own
-    // cancel is close(), which has failed them already) say nothing about the calls: UNAVAILABLE.
-    const lost = code === grpc.status.OK || code === grpc.status.CANCELLED ? grpc.status.UNAVAILABLE : code;
-    this.#fail(conn, lost, `session stream ended: ${details || grpc.status[code]}`);
+    // Whatever ended the stream (a too-large message, a reset, a shutdown), it was not these
+    // calls' own answer: each may or may not have been done, as on a broken connection.
+    this.#fail(conn, grpc.status.UNAVAILABLE, `session stream ended (${grpc.status[code] ?? code}): ${details || 'no details'}`);
   }
 
   #fail(conn: Conn, code: grpc.status, details: string): void {
@@ -246,7 +251,9 @@ export class SessionStream {
       if (this.#conn !== conn || conn.pending.size > 0) return;
       this.#conn = undefined;
       conn.ended = true;
-      conn.stream.end();
+      // Nothing is in flight: cancel rather than half-close, so the call ends here whatever the
+      // holder does with a half-closed stream.
+      conn.stream.cancel();
     }, this.#idleMs);
     this.#idleTimer.unref?.();
   }

@@ -47,8 +47,8 @@ async function spiedHolder(opts: Partial<ConstructorParameters<typeof LockServer
   for (const name of ['Acquire', 'Release', 'Renew', 'Health', 'ReleaseMany', 'RenewMany']) {
     const real = handlers[name] as Handler;
     handlers[name] = (call, cb) => {
-      // A unary call is a grpc-js ServerUnaryCall (it has getPeer); a Session message is not.
-      const bucket = typeof (call as { getPeer?: unknown }).getPeer === 'function' ? unary : session;
+      // A unary call is a grpc-js ServerUnaryCall; a Session message's call is a plain object.
+      const bucket = Object.getPrototypeOf(call) === Object.prototype ? session : unary;
       bucket[name] = (bucket[name] ?? 0) + 1;
       real(call, cb);
     };
@@ -212,5 +212,96 @@ describe('Session stream', () => {
     expect(client.sessionStats().get(address)?.state).toBe('open');
     await server.close({ graceMs: 0 });
     await waitFor(() => client.sessionStats().get(address)?.state === 'idle', 'the client saw its stream end');
+  });
+
+  it('a handler that throws is answered UNKNOWN and the stream goes on; a handler may use call.getPeer() as on a unary call', async () => {
+    const lock = new LockServer({ holderId: 'holder1', lockTimeoutMs: 60_000, logger: silentLogger });
+    const handlers = lock.handlers() as unknown as Record<string, Handler>;
+    const realHealth = handlers['Health'] as Handler;
+    let peers = 0;
+    handlers['Renew'] = () => {
+      throw new Error('a broken wrapper');
+    };
+    handlers['Health'] = (call, cb) => {
+      if ((call as { getPeer(): string }).getPeer().length > 0) peers++;
+      realHealth(call, cb);
+    };
+    const server = new grpc.Server();
+    server.addService(loadLockProtocol().service, handlers as unknown as grpc.UntypedServiceImplementation);
+    const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+    cleanups.push(async () => {
+      server.forceShutdown();
+      await lock.abort();
+    });
+    const address = `127.0.0.1:${port}`;
+    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    cleanups.push(() => client.close());
+    const g = await client.acquire(address, ['block:holder1:1'], { leaseMs: 5000 });
+    await expect(g.renew()).rejects.toMatchObject({ details: { remoteCode: 'UNKNOWN' } });
+    expect((await client.health(address)).holderId).toBe('holder1');
+    expect(peers).toBe(1);
+    expect(await g.release()).toMatchObject({ confirmed: true });
+    expect(client.sessionStats().get(address)?.opened).toBe(1);
+  });
+
+  it('a stream that fails (an answer over the size limit) fails every call on it UNAVAILABLE, and their possible grants are released', async () => {
+    const h = await spiedHolder({
+      // One lease's descriptor is 5 MiB: more than the client's default 4 MiB per message.
+      resolve: (ids) => ({ lease: [Buffer.alloc(ids.includes('block:holder1:big') ? 5 << 20 : 8)] }),
+    });
+    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    cleanups.push(() => client.close());
+    const [big, small] = await Promise.all([
+      client.acquire(h.address, ['block:holder1:big']).catch((e: unknown) => e),
+      client.acquire(h.address, ['block:holder1:small']).catch((e: unknown) => e),
+    ]);
+    // Either may have been answered before the stream failed; whatever failed, failed as a broken connection.
+    const failed = [big, small].filter((r) => !(r !== null && typeof r === 'object' && 'sessionId' in r));
+    expect(failed.length).toBeGreaterThanOrEqual(1);
+    for (const e of failed) expect(e).toBeInstanceOf(ConnectionBrokenError);
+    expect(client.counters().abandonedAcquires).toBe(failed.length);
+    for (const r of [big, small]) if (!failed.includes(r)) await (r as { release(): Promise<unknown> }).release();
+    // Every lease the holder granted ends: released by acquire id or by the guard.
+    await waitFor(() => h.lock.counters().active === 0, 'the holder has no lease left');
+    expect(h.lock.counters()).toMatchObject({ acquired: 2, released: 2, active: 0 });
+  });
+
+  it('a requester that half-closes after its calls still gets every answer', async () => {
+    let finish: (() => void) | undefined;
+    const h = await spiedHolder({
+      resolve: () =>
+        new Promise((r) => {
+          finish = () => r({ lease: [] });
+        }),
+    });
+    const { codec } = loadLockProtocol();
+    const raw = rawSession(h.address);
+    const statuses: number[] = [];
+    raw.stream.on('status', (st: grpc.StatusObject) => {
+      statuses.push(st.code);
+      details.push(st.details);
+    });
+    const details: string[] = [];
+    raw.send({ id: 1, method: 'Acquire', payload: codec.AcquireRequest.encode({ requesterId: 'raw', blockIds: ['block:holder1:1'], leaseMs: 0, acquireId: 'h1' }), timeoutMs: 60_000 });
+    await waitFor(() => finish !== undefined, 'acquire at the resolver');
+    raw.stream.end();
+    await new Promise((r) => setTimeout(r, 50));
+    expect(statuses).toEqual([]); // still open: an answer is owed
+    finish?.();
+    await waitFor(() => statuses.length === 1, 'the stream ended');
+    expect({ statuses, details }).toEqual({ statuses: [grpc.status.OK], details: [expect.any(String)] });
+    expect(raw.answers.get(1)?.code).toBe(grpc.status.OK);
+    expect(h.lock.counters()).toMatchObject({ acquired: 1, active: 1 });
+  });
+
+  it('a timeout beyond what a timer holds (2^31 ms) does not end the call at once', async () => {
+    const h = await spiedHolder();
+    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    cleanups.push(() => client.close());
+    expect((await client.health(h.address, { timeoutMs: 3e9 })).holderId).toBe('holder1');
+    const g = await client.acquire(h.address, ['block:holder1:1'], { timeoutMs: 3e9 });
+    await g.release();
+    expect(h.session['Health']).toBe(1);
+    expect(h.lock.counters()).toMatchObject({ acquired: 1, released: 1 });
   });
 });

@@ -279,15 +279,20 @@ export class LockServer implements AsyncDisposable {
   /**
    * A Session stream: each message is one call of a unary method, handled by that method's
    * handler exactly as the unary call would be (auth from the stream's metadata, admission,
-   * the deadline the message carries from its arrival, `cancelled` once the stream is gone)
-   * and answered with its id and status. Answers wait for the requester to read them: when the
-   * stream's send buffer is full the stream is not read until it drains, so a requester that
-   * sends without reading is held back by HTTP/2 flow control, not buffered here.
+   * the deadline the message carries from its arrival, `cancelled` once the stream is gone or
+   * the deadline has passed) and answered once with its id and status. A handler that throws
+   * is answered UNKNOWN, as grpc-js answers a unary handler that throws. Answers wait for the
+   * requester to read them: when the stream's send buffer is full the stream is not read until
+   * it drains, so a requester that sends without reading is held back by HTTP/2 flow control,
+   * not buffered here. A requester that half-closes still gets every answer: the stream ends
+   * once the last one is written. At shutdown the stream ends at once.
    */
   #session(stream: grpc.ServerDuplexStream<SessionRequestMsg, SessionResponseMsg>, handlers: grpc.UntypedServiceImplementation): void {
     const { codec } = loadLockProtocol();
     let ended = false;
     let paused = false;
+    let halfClosed = false;
+    let outstanding = 0; // messages dispatched and not answered yet
     const end = (): void => {
       if (ended) return;
       ended = true;
@@ -298,8 +303,12 @@ export class LockServer implements AsyncDisposable {
         // already gone
       }
     };
+    const gone = (): void => {
+      ended = true;
+      this.#sessions.delete(end);
+    };
     this.#sessions.add(end);
-    const answer = (m: SessionResponseMsg): void => {
+    const write = (m: SessionResponseMsg): void => {
       if (ended || stream.cancelled) return;
       if (!stream.write(m) && !paused) {
         paused = true;
@@ -312,10 +321,24 @@ export class LockServer implements AsyncDisposable {
     };
     stream.on('data', (m: SessionRequestMsg) => {
       const id = m.id;
+      let answered = false;
+      outstanding++;
+      const answer = (r: SessionResponseMsg): void => {
+        if (answered) return;
+        answered = true;
+        outstanding--;
+        write(r);
+        if (halfClosed && outstanding === 0) end();
+      };
       const fail = (code: grpc.status, details: string, retryAfterMs?: number): void =>
         answer({ id, code, details, payload: EMPTY_PAYLOAD, ...(retryAfterMs !== undefined ? { retryAfterMs } : {}) });
-      if (!isLockMethod(m.method) || m.method === ('Session' as string)) {
+      if (!isLockMethod(m.method)) {
         fail(grpc.status.UNIMPLEMENTED, `no method ${JSON.stringify(m.method.slice(0, 64))} in a session`);
+        return;
+      }
+      const handler = handlers[m.method];
+      if (typeof handler !== 'function') {
+        fail(grpc.status.UNIMPLEMENTED, `method ${m.method} is not served here`);
         return;
       }
       const codecs = methodCodecs(codec, m.method);
@@ -327,13 +350,22 @@ export class LockServer implements AsyncDisposable {
         return;
       }
       const deadline = m.timeoutMs > 0 ? Date.now() + m.timeoutMs : Number.POSITIVE_INFINITY;
+      // What a handler may use of a grpc-js ServerUnaryCall; the rest is the stream's.
       const call = {
         request,
         metadata: stream.metadata,
         get cancelled(): boolean {
-          return ended || stream.cancelled;
+          return ended || stream.cancelled || Date.now() > deadline;
         },
         getDeadline: (): number => deadline,
+        getPeer: (): string => stream.getPeer(),
+        getPath: (): string => stream.getPath(),
+        getAuthContext: (): ReturnType<typeof stream.getAuthContext> => stream.getAuthContext(),
+        sendMetadata: (): void => undefined,
+        on(event: string, listener: () => void) {
+          if (event === 'cancelled') stream.once('cancelled', listener);
+          return call;
+        },
       };
       const cb = (err: Partial<grpc.ServiceError> | null, value?: unknown): void => {
         if (err) {
@@ -351,22 +383,19 @@ export class LockServer implements AsyncDisposable {
         }
         answer({ id, code: grpc.status.OK, details: '', payload });
       };
-      const handler = handlers[m.method];
-      if (typeof handler !== 'function') {
-        fail(grpc.status.UNIMPLEMENTED, `method ${m.method} is not served here`);
-        return;
+      try {
+        (handler as (call: unknown, cb: unknown) => void)(call, cb);
+      } catch (e) {
+        this.#logger.warn('lock: a handler threw on a session message', { method: m.method, error: e instanceof Error ? e.message : String(e) });
+        fail(grpc.status.UNKNOWN, `the holder's ${m.method} handler threw`);
       }
-      (handler as (call: unknown, cb: unknown) => void)(call, cb);
     });
-    stream.on('end', end);
-    stream.on('cancelled', () => {
-      ended = true;
-      this.#sessions.delete(end);
+    stream.on('end', () => {
+      halfClosed = true;
+      if (outstanding === 0) end();
     });
-    stream.on('error', () => {
-      ended = true;
-      this.#sessions.delete(end);
-    });
+    stream.on('cancelled', gone);
+    stream.on('error', gone);
   }
 
   /**
