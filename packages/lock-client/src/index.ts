@@ -25,6 +25,7 @@ export type {
 } from './client.js';
 export type { LaneStats } from './holder-lane.js';
 export type { SessionStats } from './session.js';
+export type { LockCodec, MessageCodec } from './codec.js';
 export type { LockClientCounters } from './metrics.js';
 export { DEFAULT_CLIENT_METRICS_PREFIX } from './metrics.js';
 export { fromGrpcError, LeaseError } from './errors.js';
