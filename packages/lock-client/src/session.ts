@@ -248,7 +248,8 @@ export class SessionStream {
     if (conn !== this.#conn || conn.pending.size > 0 || this.#idleTimer !== undefined) return;
     this.#idleTimer = setTimeout(() => {
       this.#idleTimer = undefined;
-      if (this.#conn !== conn || conn.pending.size > 0) return;
+      // A call since then cleared this timer (#connection); a stream that ended meanwhile is gone.
+      if (this.#conn !== conn) return;
       this.#conn = undefined;
       conn.ended = true;
       // Nothing is in flight: cancel rather than half-close, so the call ends here whatever the

@@ -47,6 +47,8 @@ describe('protocol versions', () => {
     expect(c).toMatchObject({ acquired: N, released: N, active: 0 });
     expect(c.requests.release).toBe(N);
     expect(client.holderStats().get(address)?.unary).toBe(true);
+    // The holder has no Session: one stream was tried, then every call went unary.
+    expect(client.sessionStats().get(address)).toMatchObject({ state: 'unsupported', opened: 1 });
     expect(client.counters()).toMatchObject({ acquired: N, released: N, releaseFailures: 0, active: 0 });
   });
 

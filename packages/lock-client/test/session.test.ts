@@ -35,6 +35,8 @@ interface Spied {
   /** Session streams opened, and ended (either side). */
   streams: { opened: number; ended: number };
   stop(): void;
+  /** When set, Health calls go here instead and are never answered. */
+  hangHealth?: () => void;
 }
 
 /** A LockServer's handlers on a grpc server of our own, counting how each call arrived. */
@@ -44,9 +46,14 @@ async function spiedHolder(opts: Partial<ConstructorParameters<typeof LockServer
   const unary: Record<string, number> = {};
   const session: Record<string, number> = {};
   const streams = { opened: 0, ended: 0 };
+  const spied: Partial<Spied> = {};
   for (const name of ['Acquire', 'Release', 'Renew', 'Health', 'ReleaseMany', 'RenewMany']) {
     const real = handlers[name] as Handler;
     handlers[name] = (call, cb) => {
+      if (name === 'Health' && spied.hangHealth) {
+        spied.hangHealth();
+        return;
+      }
       // A unary call is a grpc-js ServerUnaryCall; a Session message's call is a plain object.
       const bucket = Object.getPrototypeOf(call) === Object.prototype ? session : unary;
       bucket[name] = (bucket[name] ?? 0) + 1;
@@ -74,7 +81,7 @@ async function spiedHolder(opts: Partial<ConstructorParameters<typeof LockServer
     void lock.abort();
   };
   cleanups.push(stop);
-  return { address: `127.0.0.1:${port}`, lock, unary, session, streams, stop };
+  return Object.assign(spied, { address: `127.0.0.1:${port}`, lock, unary, session, streams, stop }) as Spied;
 }
 
 /** A raw Session stream to `address`, answers collected by id. */
@@ -304,4 +311,36 @@ describe('Session stream', () => {
     expect(h.session['Health']).toBe(1);
     expect(h.lock.counters()).toMatchObject({ acquired: 1, released: 1 });
   });
+
+  it('a call that times out or is aborted leaves nothing in flight on the stream; close() cancels the stream', async () => {
+    const h = await spiedHolder();
+    const client = new LockClient({ requesterId: 'req1', sessionIdleMs: 60_000, logger: silentLogger });
+    cleanups.push(() => client.close());
+    // A lease first, so the stream is open; then calls the holder does not answer in time.
+    const g = await client.acquire(h.address, ['block:holder1:1'], { leaseMs: 5000 });
+    const slow = spiedSlow(h);
+    const timedOut = await client.health(h.address, { timeoutMs: 30 }).catch((e: unknown) => e);
+    expect(timedOut).toMatchObject({ code: 'TW_TIMED_OUT' });
+    expect(client.sessionStats().get(h.address)).toMatchObject({ state: 'open', inFlight: 0 });
+    const ac = new AbortController();
+    const aborted = client.health(h.address, { timeoutMs: 60_000, signal: ac.signal }).catch((e: unknown) => e);
+    await waitFor(() => slow.calls === 2, 'the second health call at the holder');
+    expect(client.sessionStats().get(h.address)?.inFlight).toBe(1);
+    ac.abort();
+    expect(await aborted).toMatchObject({ code: 'TW_ABORTED' });
+    expect(client.sessionStats().get(h.address)).toMatchObject({ state: 'open', inFlight: 0, opened: 1 });
+    await g.release();
+    await client.close();
+    await waitFor(() => h.streams.ended === h.streams.opened, 'the holder saw the stream end at close');
+    expect(h.streams.opened).toBe(1);
+  });
 });
+
+/** Make the spied holder's Health never answer (counting calls). */
+function spiedSlow(h: Spied): { calls: number } {
+  const state = { calls: 0 };
+  h.hangHealth = () => {
+    state.calls++;
+  };
+  return state;
+}
