@@ -433,6 +433,10 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     const requesterId = options.requesterId ?? `r${process.pid}-${randomBytes(6).toString('base64url')}`;
     const problem = ownerProblem(requesterId);
     if (problem !== undefined) throw new InvalidInputError(`requesterId: ${problem}`, { details: { field: 'requesterId' } });
+    const idle = options.sessionIdleMs;
+    if (idle !== undefined && !(Number.isFinite(idle) && idle >= 0 && idle <= 0x7fffffff)) {
+      throw new InvalidInputError(`sessionIdleMs must be a number of ms from 0 to 2^31-1, got ${idle}`, { details: { field: 'sessionIdleMs' } });
+    }
     this.requesterId = requesterId;
     if (options.token !== undefined && options.token.length === 0) throw new InvalidInputError('token must not be empty');
     this.#credentials = options.credentials ?? grpc.credentials.createInsecure();

@@ -197,6 +197,13 @@ describe('Session stream', () => {
     expect(client.sessionStats().get(h.address)?.opened).toBeGreaterThanOrEqual(2);
   });
 
+  it('refuses a sessionIdleMs that is not a timer length', () => {
+    for (const bad of [-1, Number.NaN, Number.POSITIVE_INFINITY, 2 ** 31]) {
+      expect(() => new LockClient({ sessionIdleMs: bad, logger: silentLogger })).toThrow(/sessionIdleMs/);
+    }
+    expect(() => new LockClient({ sessionIdleMs: 0, logger: silentLogger }).close()).not.toThrow();
+  });
+
   it('ends an idle stream after sessionIdleMs and opens a new one for the next call', async () => {
     const h = await spiedHolder();
     const client = new LockClient({ requesterId: 'req1', sessionIdleMs: 20, logger: silentLogger });
