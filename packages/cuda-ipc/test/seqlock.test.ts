@@ -46,6 +46,23 @@ describe('seqlock across processes (invariant 11)', () => {
       }
       if (i % 100 === 0) await new Promise((r) => setImmediate(r));
     }
+    // Back-to-back snapshots, each checked at 33 evenly spaced elements (a copy that overlapped
+    // a write holds two generations, the older one past the point where the write had got to):
+    // many more reads per write than the loop above, so a reader that skipped its re-check
+    // would accept torn copies within a few thousand reads whatever the scheduling.
+    let tight = 0;
+    const started = Date.now();
+    while (tight < 20_000 && Date.now() - started < 1500) {
+      const { data } = reader.snapshot(id, dst);
+      const a = new Uint32Array(data.buffer, data.byteOffset, data.byteLength / 4);
+      const v = a[0];
+      let mixed = false;
+      for (let k = 1; k <= 32; k++) if (a[Math.min(a.length - 1, (k * a.length) >> 5)] !== v) mixed = true;
+      if (mixed) torn++;
+      seen.add(v as number);
+      tight++;
+      if (tight % 500 === 0) await new Promise((r) => setImmediate(r));
+    }
     writer.send({ op: 'stop' });
     const [{ writes }] = (await once(writer, 'message')) as [{ writes: number }];
     await once(writer, 'exit');
@@ -55,6 +72,6 @@ describe('seqlock across processes (invariant 11)', () => {
     // The reads really did overlap many different writes (otherwise the test proves nothing).
     expect(writes).toBeGreaterThan(10);
     expect(seen.size).toBeGreaterThan(2);
-    console.info(`seqlock: ${accepted} consistent reads, ${rejectedViews} views rejected by the re-check, ${seen.size} generations seen, ${writes} writes`);
+    console.info(`seqlock: ${accepted} consistent reads and ${tight} back-to-back snapshots, ${rejectedViews} views rejected by the re-check, ${seen.size} generations seen, ${writes} writes`);
   });
 });
