@@ -42,8 +42,8 @@ import { blockIdProblem, occursBefore, PAIRWISE_MAX } from './ids.js';
 import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type ClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
-  RETRY_AFTER_METADATA_KEY,
   loadLockProtocol,
+  retryAfterOf,
   type AcquireResponseMsg,
   type BlockGrantMsg,
   type HealthResponseMsg,
@@ -613,9 +613,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
         if (cancelOnClose) this.#inflight.delete(cancel);
         if (err || res === undefined) {
           // An overloaded holder says when to come back (and that it did nothing).
-          const after = err?.code === grpc.status.RESOURCE_EXHAUSTED ? err.metadata?.get(RETRY_AFTER_METADATA_KEY)[0] : undefined;
-          const retryAfterMs = after === undefined ? undefined : Number(after);
-          reject(fromGrpcError(err, what, retryAfterMs !== undefined && Number.isFinite(retryAfterMs) && retryAfterMs >= 0 ? { holder, retryAfterMs } : { holder }));
+          const retryAfterMs = retryAfterOf(err);
+          reject(fromGrpcError(err, what, retryAfterMs !== undefined ? { holder, retryAfterMs } : { holder }));
         } else resolve(res as Res);
       };
       const until = Date.now() + timeoutMs;

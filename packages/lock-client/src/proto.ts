@@ -192,5 +192,17 @@ export function loadLockProtocol(): { service: grpc.ServiceDefinition; Client: L
  */
 export const RETRY_AFTER_METADATA_KEY = 'tensorwire-retry-after-ms';
 
+/**
+ * The retry-after (ms) an overloaded holder's RESOURCE_EXHAUSTED carries, or undefined (another
+ * status, no trailer, or one that is not a non-negative number).
+ */
+export function retryAfterOf(error: Partial<grpc.ServiceError> | null | undefined): number | undefined {
+  if (error?.code !== grpc.status.RESOURCE_EXHAUSTED) return undefined;
+  const after = error.metadata?.get(RETRY_AFTER_METADATA_KEY)[0];
+  if (after === undefined) return undefined;
+  const ms = Number(after);
+  return Number.isFinite(ms) && ms >= 0 ? ms : undefined;
+}
+
 /** Metadata key carrying the shared token: `authorization: Bearer <token>`. */
 export const AUTH_METADATA_KEY = 'authorization';

@@ -11,6 +11,7 @@ import {
   AUTH_METADATA_KEY,
   RETRY_AFTER_METADATA_KEY,
   loadLockProtocol,
+  retryAfterOf,
   type AcquireRequestMsg,
   type AcquireResponseMsg,
   type EntryErrorMsg,
@@ -369,9 +370,7 @@ export class LockServer implements AsyncDisposable {
       };
       const cb = (err: Partial<grpc.ServiceError> | null, value?: unknown): void => {
         if (err) {
-          const after = err.code === grpc.status.RESOURCE_EXHAUSTED ? err.metadata?.get(RETRY_AFTER_METADATA_KEY)[0] : undefined;
-          const retryAfterMs = after === undefined ? undefined : Number(after);
-          fail(err.code ?? grpc.status.UNKNOWN, err.details ?? err.message ?? '', retryAfterMs !== undefined && Number.isFinite(retryAfterMs) ? retryAfterMs : undefined);
+          fail(err.code ?? grpc.status.UNKNOWN, err.details ?? err.message ?? '', retryAfterOf(err));
           return;
         }
         let payload: Buffer;
