@@ -13,6 +13,7 @@ import { silentLogger } from '@tensorwire/core';
 import { afterEach, describe, expect, it } from 'vitest';
 import { LockClient, type LockGuard, type ReleaseFailure } from '../src/index.js';
 import { LockServer, loadLockProtocol } from '../src/server/index.js';
+import { bindLoopback } from './helpers.js';
 
 const cleanups: (() => Promise<void> | void)[] = [];
 afterEach(async () => {
@@ -33,7 +34,7 @@ async function badHolder(mode: 'unavailable' | 'hang'): Promise<{ address: strin
   handlers['ReleaseMany'] = bad as grpc.UntypedHandleCall;
   const server = new grpc.Server();
   server.addService(loadLockProtocol().service, handlers);
-  const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const port = await bindLoopback(server);
   cleanups.push(async () => {
     server.forceShutdown();
     await lock.abort();

@@ -8,7 +8,7 @@ import { silentLogger } from '@tensorwire/core';
 import { afterEach, describe, expect, it } from 'vitest';
 import { LockClient } from '../src/index.js';
 import { LockServer, loadLockProtocol } from '../src/server/index.js';
-import { waitFor } from './helpers.js';
+import { bindLoopback, waitFor } from './helpers.js';
 
 const cleanups: (() => Promise<void> | void)[] = [];
 afterEach(async () => {
@@ -25,7 +25,7 @@ async function oldHolder(lockTimeoutMs = 30_000): Promise<{ lock: LockServer; ad
   const handlers: grpc.UntypedServiceImplementation = Object.fromEntries(names.map((n) => [n, all[n] as grpc.UntypedHandleCall]));
   const server = new grpc.Server();
   server.addService(v1, handlers);
-  const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const port = await bindLoopback(server);
   lock.gc.start();
   cleanups.push(async () => {
     server.forceShutdown();

@@ -7,6 +7,7 @@ import { TimedOutError } from '@tensorwire/core';
 import { afterEach, describe, expect, it } from 'vitest';
 import { LockClient } from '../src/index.js';
 import { loadLockProtocol } from '../src/proto.js';
+import { bindLoopback } from './helpers.js';
 
 let server: grpc.Server | undefined;
 let client: LockClient | undefined;
@@ -32,9 +33,7 @@ async function silentHolder(): Promise<{ holder: string; deadlines: Map<string, 
     Renew: record('Renew'),
     Health: record('Health'),
   });
-  const port = await new Promise<number>((resolve, reject) =>
-    s.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))),
-  );
+  const port = await bindLoopback(s);
   server = s;
   return { holder: `127.0.0.1:${port}`, deadlines };
 }

@@ -1,3 +1,4 @@
+import * as grpc from '@grpc/grpc-js';
 import { LockClient, type LockClientOptions } from '../src/index.js';
 import { LeaseError, LeaseTable, LockServer, type LeaseTableOptions, type LockServerOptions } from '../src/server/index.js';
 
@@ -8,6 +9,11 @@ export async function waitFor(predicate: () => boolean, what = 'condition', step
     if (Date.now() - started > 50_000) throw new Error(`gave up waiting for ${what}`);
     await new Promise((r) => setTimeout(r, stepMs));
   }
+}
+
+/** Bind `server` (its services added) to a free loopback port, insecure; resolves to the port. */
+export function bindLoopback(server: grpc.Server): Promise<number> {
+  return new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
 }
 
 export function blocks(owner: string, n: number, from = 0): string[] {

@@ -19,7 +19,7 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { LockClient, decodeFetchDescriptor } from '../src/index.js';
 import type { AcquireResponseMsg, LockServiceClient } from '../src/proto.js';
 import { LOCK_PROTO_PATH, LeaseError, LockServer, engineGrants, loadLockProtocol } from '../src/server/index.js';
-import { harness, table, type Harness } from './helpers.js';
+import { bindLoopback, harness, table, type Harness } from './helpers.js';
 
 let h: Harness | undefined;
 afterEach(async () => {
@@ -92,7 +92,7 @@ describe('omit_empty_blocks', () => {
         acquire(call, cb);
       },
     });
-    const port = await new Promise<number>((resolve, reject) => old.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+    const port = await bindLoopback(old);
     const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
     try {
       const g = await client.acquire(`127.0.0.1:${port}`, ['block:holder1:0', 'block:holder1:1', 'block:holder1:2']);

@@ -14,7 +14,7 @@ import { afterEach, describe, expect, it } from 'vitest';
 import { LockClient, type LockGuard } from '../src/index.js';
 import { RETRY_AFTER_METADATA_KEY } from '../src/proto.js';
 import { LockServer, loadLockProtocol } from '../src/server/index.js';
-import { harness, waitFor, type Harness } from './helpers.js';
+import { bindLoopback, harness, waitFor, type Harness } from './helpers.js';
 
 const cleanups: (() => Promise<void> | void)[] = [];
 afterEach(async () => {
@@ -44,7 +44,7 @@ async function holderWith(
   Object.assign(handlers, replace(real));
   const server = new grpc.Server();
   server.addService(loadLockProtocol().service, handlers as unknown as grpc.UntypedServiceImplementation);
-  const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const port = await bindLoopback(server);
   cleanups.push(async () => {
     server.forceShutdown();
     await lock.abort();

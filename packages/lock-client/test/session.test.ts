@@ -17,7 +17,7 @@ import { ConnectionBrokenError, silentLogger } from '@tensorwire/core';
 import { afterEach, describe, expect, it } from 'vitest';
 import { LockClient, type SessionRequestMsg, type SessionResponseMsg } from '../src/index.js';
 import { LockServer, loadLockProtocol } from '../src/server/index.js';
-import { waitFor } from './helpers.js';
+import { bindLoopback, waitFor } from './helpers.js';
 
 const cleanups: (() => Promise<void> | void)[] = [];
 afterEach(async () => {
@@ -40,9 +40,13 @@ interface Spied {
 }
 
 /** A LockServer's handlers on a grpc server of our own, counting how each call arrived. */
-async function spiedHolder(opts: Partial<ConstructorParameters<typeof LockServer>[0]> = {}): Promise<Spied> {
+async function spiedHolder(
+  opts: Partial<ConstructorParameters<typeof LockServer>[0]> = {},
+  replace: (handlers: Record<string, Handler>) => void = () => undefined,
+): Promise<Spied> {
   const lock = new LockServer({ holderId: 'holder1', lockTimeoutMs: 60_000, logger: silentLogger, ...opts });
   const handlers = lock.handlers() as unknown as Record<string, Handler>;
+  replace(handlers);
   const unary: Record<string, number> = {};
   const session: Record<string, number> = {};
   const streams = { opened: 0, ended: 0 };
@@ -74,7 +78,7 @@ async function spiedHolder(opts: Partial<ConstructorParameters<typeof LockServer
   };
   const server = new grpc.Server();
   server.addService(loadLockProtocol().service, handlers as unknown as grpc.UntypedServiceImplementation);
-  const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+  const port = await bindLoopback(server);
   lock.gc.start();
   const stop = (): void => {
     server.forceShutdown();
@@ -229,25 +233,17 @@ describe('Session stream', () => {
   });
 
   it('a handler that throws is answered UNKNOWN and the stream goes on; a handler may use call.getPeer() as on a unary call', async () => {
-    const lock = new LockServer({ holderId: 'holder1', lockTimeoutMs: 60_000, logger: silentLogger });
-    const handlers = lock.handlers() as unknown as Record<string, Handler>;
-    const realHealth = handlers['Health'] as Handler;
     let peers = 0;
-    handlers['Renew'] = () => {
-      throw new Error('a broken wrapper');
-    };
-    handlers['Health'] = (call, cb) => {
-      if ((call as { getPeer(): string }).getPeer().length > 0) peers++;
-      realHealth(call, cb);
-    };
-    const server = new grpc.Server();
-    server.addService(loadLockProtocol().service, handlers as unknown as grpc.UntypedServiceImplementation);
-    const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
-    cleanups.push(async () => {
-      server.forceShutdown();
-      await lock.abort();
+    const { address } = await spiedHolder({}, (handlers) => {
+      const realHealth = handlers['Health'] as Handler;
+      handlers['Renew'] = () => {
+        throw new Error('a broken wrapper');
+      };
+      handlers['Health'] = (call, cb) => {
+        if ((call as { getPeer(): string }).getPeer().length > 0) peers++;
+        realHealth(call, cb);
+      };
     });
-    const address = `127.0.0.1:${port}`;
     const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
     cleanups.push(() => client.close());
     const g = await client.acquire(address, ['block:holder1:1'], { leaseMs: 5000 });
