@@ -41,7 +41,7 @@ import {
 import { checkGrantRanges, rangeArray } from './grant-check.js';
 import { IdAllocator, IdRegistry, assertOwner } from './ids.js';
 import { consoleLogger, type Logger } from './logger.js';
-import { EngineMetrics, type MetricsOptions } from './metrics.js';
+import { EngineMetrics, type MetricsOptions, type PostTally } from './metrics.js';
 import { defaultHostId } from './host-id.js';
 import {
   GRANT_STRIDE,
@@ -397,13 +397,6 @@ export class Grant {
   }
 }
 
-/** Labelled metric children the per-post path updates. */
-interface HotMetrics {
-  readonly bytes: { inc(v: number): void };
-  readonly ok: { inc(v: number): void };
-  readonly duration: { observe(v: number): void };
-}
-
 /** One entry of the connection table: the engine's state for one peer on one transport. */
 class PeerConnection {
   readonly key: string;
@@ -416,9 +409,9 @@ class PeerConnection {
   inFlight = 0;
   /** Set when this connection was torn down by an error (prepared transfers on it are invalid). */
   brokenBy: TensorwireError | undefined;
-  /** The engine's labelled metric children for posts on this entry, by direction (made on first use). */
-  hotRead: HotMetrics | undefined;
-  hotWrite: HotMetrics | undefined;
+  /** The engine's metric tallies for posts on this entry, by direction (looked up on first use). */
+  hotRead: PostTally | undefined;
+  hotWrite: PostTally | undefined;
   constructor(key: string, peer: NodeIdentity, transport: Transport) {
     this.key = key;
     this.peer = peer;
@@ -1086,6 +1079,8 @@ export class TransferEngine {
     await Promise.allSettled([...this.#grants].map((g) => g.revoke()));
     await Promise.allSettled([...this.#registrations.values()].map((r) => r.revoke()));
     await Promise.allSettled([...this.#transports.values()].map((t) => t.close()));
+    // What the posts tallied goes into the metrics now; a post still finishing is recorded at once.
+    this.metrics?.detach();
   }
 
   #assertOpen(): void {
@@ -1503,7 +1498,7 @@ export class TransferEngine {
     const transport = plan.transport;
     const op = plan.op;
     const hot = this.#hot(pc, op);
-    const started = hot ? process.hrtime.bigint() : 0n;
+    const started = hot ? performance.now() : 0;
     const transfer = {}; // this post's identity for the transport (ExecuteOptions.transfer)
     pc.inFlight++;
     try {
@@ -1541,10 +1536,7 @@ export class TransferEngine {
         if (retired) retiredUnder.add(err);
         throw err;
       }
-      if (hot) {
-        hot.bytes.inc(plan.bytes);
-        hot.ok.inc(plan.requests);
-      }
+      hot?.done(plan.bytes, plan.requests);
       return { transport: transport.name, bytes: plan.bytes, chunks: split.chunks, requests: plan.requests, ranges: plan.count };
     } catch (e) {
       const err = signal.aborted && !(e instanceof TensorwireError && e.breaksConnection) ? errorFromSignal(signal, `${op} from ${plan.ep.identity.nodeId}`) : toTensorwireError(e);
@@ -1553,25 +1545,20 @@ export class TransferEngine {
       throw err;
     } finally {
       pc.inFlight--;
-      hot?.duration.observe(Number(process.hrtime.bigint() - started) / 1e9);
+      hot?.observe((performance.now() - started) / 1e3);
     }
   }
 
-  /** Labelled metric children of the per-post path, made once per connection entry and direction. */
-  #hot(pc: PeerConnection, op: 'read' | 'write'): HotMetrics | undefined {
+  /** The metric tally of the per-post path, looked up once per connection entry and direction. */
+  #hot(pc: PeerConnection, op: 'read' | 'write'): PostTally | undefined {
     const metrics = this.metrics;
     if (!metrics) return undefined;
     const cached = op === 'read' ? pc.hotRead : pc.hotWrite;
     if (cached) return cached;
-    const transport = pc.transport.name;
-    const m: HotMetrics = {
-      bytes: metrics.bytes.labels({ transport, direction: op }),
-      ok: metrics.operations.labels({ transport, direction: op, outcome: 'ok' }),
-      duration: metrics.duration.labels({ transport, direction: op }),
-    };
-    if (op === 'read') pc.hotRead = m;
-    else pc.hotWrite = m;
-    return m;
+    const t = metrics.tally(pc.transport.name, op);
+    if (op === 'read') pc.hotRead = t;
+    else pc.hotWrite = t;
+    return t;
   }
 
   /** One stream's batch, backing off on local exhaustion; `failed`: the first attempt already failed so. */
