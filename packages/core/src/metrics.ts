@@ -131,7 +131,10 @@ function histogramsTakeTallies(): boolean {
   return tallyable;
 }
 
-/** Engine metrics sharing each metric object (engines on one registry), for its collect hook. */
+/**
+ * Engine metrics sharing each metric object (engines on one registry), for its collect hook.
+ * An engine leaves it when it closes ({@link EngineMetrics.detach}).
+ */
 const sharing = new WeakMap<object, Set<EngineMetrics>>();
 
 /** Make reading `metric` first add every sharing engine's tallies to it (and keep its own collect, if any). */
@@ -222,8 +225,11 @@ export class EngineMetrics {
       }),
     );
     // In bulk only into a histogram of this module's prom-client (one from another copy on a
-    // shared registry may keep its series otherwise) that passed the probe.
-    this.#bulk = this.duration instanceof Histogram && histogramsTakeTallies();
+    // shared registry may keep its series otherwise) that passed the probe and has these
+    // buckets (one made by someone else under this name may not): else each call goes to it.
+    const upper = (this.duration as unknown as { upperBounds?: unknown }).upperBounds;
+    const sameBuckets = Array.isArray(upper) && upper.length === DURATION_BUCKETS.length && upper.every((b, k) => b === DURATION_BUCKETS[k]);
+    this.#bulk = this.duration instanceof Histogram && sameBuckets && histogramsTakeTallies();
     for (const metric of [this.bytes, this.operations, this.duration]) hookCollect(metric, this);
   }
 

@@ -155,6 +155,21 @@ describe('EngineMetrics tallies', () => {
     expect((await m.bytes.get()).values).toEqual([{ value: 16, labels: { transport: 'tcp', direction: 'write' } }]);
   });
 
+  it('a duration histogram registered under the name with other buckets gets one observe per post (no bulk add)', async () => {
+    const registry = new Registry();
+    const other = new Histogram({ name: 'tensorwire_transfer_duration_seconds', help: 'theirs', labelNames: ['transport', 'direction'], buckets: [1, 2], registers: [registry] });
+    const m = new EngineMetrics({ registry });
+    expect(m.duration).toBe(other);
+    const t = m.tally('tcp', 'read');
+    expect(t.direct).toBe(m);
+    t.observe(1.5);
+    t.observe(3);
+    const values = (await other.get()).values;
+    expect(values.find((v) => (v.labels as Record<string, unknown>)['le'] === 2)?.value).toBe(1);
+    expect(values.find((v) => v.metricName?.endsWith('_sum'))?.value).toBe(4.5);
+    expect(values.find((v) => v.metricName?.endsWith('_count'))?.value).toBe(2);
+  });
+
   it('an engine counts its posts through tallies, over a real transport, and after close()', async () => {
     const registry = new Registry();
     const a = new TransferEngine({ nodeId: 'tally-a', transports: [new TcpTransport()], logger: silentLogger, metrics: { registry } });
