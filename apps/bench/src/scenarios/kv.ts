@@ -110,9 +110,10 @@ const REREAD_NAMES: Record<KvRereadMethod, (transport: string) => string> = {
 };
 
 /**
- * The kernel's transparent huge page modes, which decide how far the memcpy baseline (process
- * heap) and the same-host transport (shared segments) are apart: a segment mapped with 4 KiB
- * pages costs a TLB miss per 4 KiB that a 2 MiB page does not.
+ * The kernel's transparent huge page modes: whether the memcpy baseline (process heap) or the
+ * same-host transport (shared segments) may be mapped with 2 MiB pages. Whether they are is in
+ * the requester's own note (its smaps_rollup), since "madvise" gives the heap huge pages only
+ * where a program asks for them.
  */
 function hugePageNote(): string {
   const mode = (file: string): string | undefined => {
@@ -125,7 +126,10 @@ function hugePageNote(): string {
   const anon = mode('enabled');
   const shmem = mode('shmem_enabled');
   if (anon === undefined || shmem === undefined) return 'transparent huge page modes unknown here (no /sys/kernel/mm/transparent_hugepage)';
-  const why = shmem === 'never' || shmem === 'deny' ? ': shared segments use 4 KiB pages here while process heap can use 2 MiB pages, so memcpy out of the heap is the faster baseline' : '';
+  const why =
+    shmem === 'never' || shmem === 'deny'
+      ? `: shared segments use 4 KiB pages here; the process heap ${anon === 'always' ? 'may use 2 MiB pages' : anon === 'madvise' ? 'uses 2 MiB pages only where madvised (Node does not), so 4 KiB pages too' : 'uses 4 KiB pages too'} (the requester's huge page note says what it held)`
+      : '';
   return `transparent huge pages: process heap "${anon}", shared memory "${shmem}"${why}`;
 }
 

@@ -19,6 +19,7 @@
  *
  * argv: base64 JSON { endpoint, descriptor, rawPort, regionBytes, seed, maxRequestBytes, transport }
  */
+import { readFileSync } from 'node:fs';
 import net from 'node:net';
 import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type Registration, type TransferRequest } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
@@ -126,7 +127,19 @@ function connectRaw(): Promise<net.Socket> {
   });
 }
 
+/** How much of this process's memory (its heap baseline, its shared segments) is in huge pages, from /proc/self/smaps_rollup. */
+function hugePagesHeld(): string {
+  try {
+    const rollup = readFileSync('/proc/self/smaps_rollup', 'utf8');
+    const kb = (field: string): string => /^(\S+):\s+(\d+) kB/m.exec(rollup.split('\n').find((l) => l.startsWith(`${field}:`)) ?? '')?.[2] ?? '?';
+    return `requester memory in huge pages once its buffers are filled: AnonHugePages ${kb('AnonHugePages')} kB (process heap, where the memcpy baseline copies from), ShmemPmdMapped ${kb('ShmemPmdMapped')} kB (shared segments), of ${kb('Rss')} kB resident`;
+  } catch {
+    return 'requester huge pages unknown (no /proc/self/smaps_rollup)';
+  }
+}
+
 async function setup(): Promise<void> {
+  notes.push(hugePagesHeld());
   if (cfg.transport !== 'tcp') {
     const built = requesterTransports(cfg.transport === 'cuda-ipc' ? 'cuda-ipc' : 'auto');
     notes.push(...built.notes);
