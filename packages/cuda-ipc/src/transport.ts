@@ -598,6 +598,14 @@ class CudaIpcConnection implements TransportConnection {
   readonly #socket: Socket;
   /** What {@link #hostPlan} derived per batch (null: the batch has CUDA memory). */
   readonly #plans = new WeakMap<TransferBatch, HostPlan | null>();
+  /**
+   * The same by what a plan is made of, for batches of one local and one remote (most reads
+   * and writes: the engine makes a new batch per unprepared call, with the same handle and the
+   * same decoded remote): by op, local handle, then remote. A plan holds nothing of the batch
+   * but those (its ranges are passed per call), and what can change between calls (a revoked
+   * local, grant or peer) is checked per call as for a prepared transfer's reused plan.
+   */
+  readonly #plansByTables = [new WeakMap<object, WeakMap<object, HostPlan | null>>(), new WeakMap<object, WeakMap<object, HostPlan | null>>()] as const;
   /** Per decoded remote: its grant and data segment on this connection. */
   readonly #resolved = new WeakMap<RemoteGrant, ResolvedRemote>();
   /** Per decoded range grant: its record and range table on this connection. */
@@ -773,6 +781,27 @@ class CudaIpcConnection implements TransportConnection {
     if (cached !== undefined) return cached;
     const op = batch.op;
     if (op !== 'read' && op !== 'write') throw new InvalidInputError(`batch op ${String(op)} is not read or write`, { details: { field: 'op' } });
+    const local0: unknown = batch.locals.length === 1 ? batch.locals[0] : undefined;
+    const remote0: unknown = batch.remotes.length === 1 ? batch.remotes[0] : undefined;
+    const byTables = typeof local0 === 'object' && local0 !== null && typeof remote0 === 'object' && remote0 !== null ? this.#plansByTables[op === 'read' ? 0 : 1] : undefined;
+    if (byTables) {
+      const known = byTables.get(local0 as object)?.get(remote0 as object);
+      if (known !== undefined) {
+        this.#plans.set(batch, known);
+        return known;
+      }
+    }
+    const plan = this.#makeHostPlan(batch, op);
+    if (byTables) {
+      let byRemote = byTables.get(local0 as object);
+      if (!byRemote) byTables.set(local0 as object, (byRemote = new WeakMap()));
+      byRemote.set(remote0 as object, plan);
+    }
+    return plan;
+  }
+
+  /** {@link #hostPlan} for a batch seen under no other batch's tables. */
+  #makeHostPlan(batch: TransferBatch, op: 'read' | 'write'): HostPlan | null {
     const locals: Uint8Array[] = [];
     let cuda = false;
     for (const h of batch.locals) {

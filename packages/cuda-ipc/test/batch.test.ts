@@ -269,6 +269,69 @@ describe('cuda-ipc batches', () => {
   });
 });
 
+describe('one plan per local and remote, reused by the next batch over them (unprepared reads)', () => {
+  // The engine makes a new batch per engine.read; the transport reuses the native tables of an
+  // earlier batch with the same local handle and remote, by op. Whatever changed since must
+  // still be refused per batch, as for a prepared transfer's reused plan.
+  it('new batches with other ranges over the same local and remote land their own bytes', async () => {
+    const dst = await local(8192);
+    for (let round = 0; round < 5; round++) {
+      dst.buffer.fill(0xee);
+      const list = Array.from({ length: 3 }, (_, i) => ({ local: dst.handle, localOffset: i * 2048 + round, remote: sharedRemote, remoteOffset: round * 1000 + i * 7000, length: 100 + round * 10 + i }));
+      await conn.execute(0, createTransferBatch('read', list), opts());
+      const expected = new Uint8Array(8192).fill(0xee);
+      for (const r of list) for (let k = 0; k < r.length; k++) expected[r.localOffset + k] = pattern(r.remoteOffset + k + 1);
+      expect(Buffer.compare(dst.buffer, expected), `round ${round}`).toBe(0);
+    }
+  });
+
+  it('a write over a pool slot after reads of it through the same local is still refused (read-only), and moves nothing', async () => {
+    const dst = await local(256, 0x11);
+    const read = (): Promise<void> => conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 10, length: 64 }]), opts());
+    await read();
+    await read();
+    expect(dst.buffer[0]).toBe(pattern(10));
+    const before = Uint8Array.from(slotView.buffer as Uint8Array);
+    const err = await failure(conn.execute(0, createTransferBatch('write', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 10, length: 64 }]), opts()));
+    expect(err).toBeInstanceOf(RemoteRejectedError);
+    expect((err as RemoteRejectedError).remoteCode).toBe('read-only');
+    expect(Buffer.compare(slotView.buffer as Uint8Array, before)).toBe(0);
+    await read(); // reads are still served
+  });
+
+  it('after the holder revokes the registration, the next batch over the same local and remote is RemoteRejected (revoked)', async () => {
+    const src = allocateSharedMemory(4096, 'plancache');
+    try {
+      src.fill(0x5a);
+      const reg = await tb.register({ kind: 'host', buffer: src });
+      const remote = ta.decodeRemote(reg.payload, 'host', 4096);
+      const dst = await local(4096);
+      const read = (): Promise<void> => conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote, remoteOffset: 0, length: 4096 }]), opts());
+      await read();
+      expect(dst.buffer[4095]).toBe(0x5a);
+      dst.buffer.fill(0xee);
+      await tb.revoke(reg.handle);
+      const err = await failure(read());
+      expect(err).toBeInstanceOf(RemoteRejectedError);
+      expect((err as RemoteRejectedError).remoteCode).toBe('revoked');
+      expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
+    } finally {
+      releaseSharedMemory(src);
+    }
+  });
+
+  it('after the local is revoked, the next batch over it is InvalidInput and moves nothing', async () => {
+    const dst = await local(1024);
+    const batch = (): ReturnType<typeof createTransferBatch> => createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: sharedRemote, remoteOffset: 0, length: 512, request: 3 }]);
+    await conn.execute(0, batch(), opts());
+    dst.buffer.fill(0xee);
+    await ta.revoke(dst.handle);
+    const err = await failure(conn.execute(0, batch(), opts()));
+    expect(err).toBeInstanceOf(InvalidInputError);
+    expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
+  });
+});
+
 describe('copyBatch (the native batch entry point) against lying arrays', () => {
   // Real mappings: the slot (seqlocked) and a shared region as data segments, the slot's grant.
   let slotMapping: ArrayBuffer;
