@@ -15,7 +15,9 @@
  * Verification: the destination is zeroed before each method; before every timed fetch, the
  * first and last byte of 4 sampled descriptors are poisoned and after it those descriptors are
  * compared in full with the pattern at their remote offsets (outside the timed calls); after
- * the last fetch every descriptor is compared in full. Failures count descriptors.
+ * the last fetch every descriptor is compared in full. Failures count descriptors. The memcpy
+ * baseline, which copies out of the process-local pattern, is verified against the shared
+ * segment's copy of it, so that verification never warms the source a fetch reads.
  *
  * argv: base64 JSON { endpoint, descriptor, rawPort, regionBytes, seed, maxRequestBytes, transport }
  */
@@ -165,13 +167,27 @@ function rawFetch(bytes: number, offset: number): Promise<void> {
   });
 }
 
-/** Descriptor i of a fetch lands at i * blockBytes and comes from remote offset `offsets[i]`. */
-function sameBytes(i: number, offsets: Float64Array, s: number): boolean {
+/** Descriptor i of a fetch lands at i * blockBytes and comes from remote offset `offsets[i]`; `reference` holds the pattern. */
+function sameBytes(i: number, offsets: Float64Array, s: number, reference: Buffer): boolean {
   const ro = offsets[i] as number;
-  return dest.compare(expected, ro, ro + s, i * s, (i + 1) * s) === 0;
+  return dest.compare(reference, ro, ro + s, i * s, (i + 1) * s) === 0;
 }
 
-async function timed(offsets: Float64Array, s: number, fetches: number, random: () => number, once: () => Promise<{ transport: string } | void> | void): Promise<Omit<KvMethodResult, 'method'>> {
+/**
+ * Runs `once` untimed, then `fetches` times timed, verifying samples after each. `reference`
+ * is what the bytes are compared with: never the buffer a baseline copies from, or the
+ * comparison after each fetch would leave that baseline's source in the caches for its next
+ * fetch (at 4 MiB × 1 that made memcpy out of the heap read at about 46 GB/s against 35 GB/s
+ * out of a shared segment, which a loop without verification reads at the same speed).
+ */
+async function timed(
+  offsets: Float64Array,
+  s: number,
+  fetches: number,
+  random: () => number,
+  once: () => Promise<{ transport: string } | void> | void,
+  reference: Buffer = expected,
+): Promise<Omit<KvMethodResult, 'method'>> {
   const count = offsets.length;
   dest.fill(0, 0, count * s);
   await once(); // warm-up, untimed
@@ -185,8 +201,8 @@ async function timed(offsets: Float64Array, s: number, fetches: number, random: 
       const i = count <= SAMPLES ? j : Math.floor(random() * count);
       sample[j] = i;
       const ro = offsets[i] as number;
-      dest[i * s] = (expected[ro] as number) ^ 0xff;
-      dest[(i + 1) * s - 1] = (expected[ro + s - 1] as number) ^ 0xff;
+      dest[i * s] = (reference[ro] as number) ^ 0xff;
+      dest[(i + 1) * s - 1] = (reference[ro + s - 1] as number) ^ 0xff;
     }
     const t0 = nowMs();
     const r = await once();
@@ -194,9 +210,9 @@ async function timed(offsets: Float64Array, s: number, fetches: number, random: 
     ms += dt;
     latencies.push(dt);
     if (r) transport = r.transport;
-    for (let j = 0; j < sample.length; j++) if (!sameBytes(sample[j] as number, offsets, s)) failures++;
+    for (let j = 0; j < sample.length; j++) if (!sameBytes(sample[j] as number, offsets, s, reference)) failures++;
   }
-  for (let i = 0; i < count; i++) if (!sameBytes(i, offsets, s)) failures++;
+  for (let i = 0; i < count; i++) if (!sameBytes(i, offsets, s, reference)) failures++;
   return { ms, fetches, bytes: fetches * count * s, descriptors: fetches * count, latencies, failures, ...(transport !== undefined ? { transport } : {}) };
 }
 
@@ -241,12 +257,21 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
     if (method === 'memcpy' || method === 'memcpy-shm') {
       const src = method === 'memcpy' ? expected : shmExpected;
       if (!src) throw new Error('no shared memory in this process for the memcpy-shm baseline');
-      r = await timed(offsets, s, fetches, random, () => {
-        for (let i = 0; i < count; i++) {
-          const ro = offsets[i] as number;
-          src.copy(dest, i * s, ro, ro + s);
-        }
-      });
+      // Verified against the other copy of the pattern (see timed()).
+      const reference = method === 'memcpy' ? (shmExpected ?? expected) : expected;
+      r = await timed(
+        offsets,
+        s,
+        fetches,
+        random,
+        () => {
+          for (let i = 0; i < count; i++) {
+            const ro = offsets[i] as number;
+            src.copy(dest, i * s, ro, ro + s);
+          }
+        },
+        reference,
+      );
     } else if (method === 'raw') {
       // The same byte count from the same region, as one contiguous run (no per-descriptor work).
       const offset = Math.floor(random() * Math.floor((cfg.regionBytes - bytes) / s + 1)) * s;
