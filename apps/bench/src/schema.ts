@@ -75,6 +75,7 @@ export const benchOutputSchema = {
                 blockBytes: { type: 'integer' },
                 descriptors: { type: 'integer', minimum: 1 },
                 value: { type: 'number' },
+                rounds: { type: 'array', items: { type: 'number' } },
                 goal: { type: 'number' },
                 pass: { type: 'boolean' },
               },

@@ -39,6 +39,8 @@ export interface Ratio {
   /** Descriptors per operation of both sides, where it matters (the `kv` scenario). */
   readonly descriptors?: number;
   readonly value: number;
+  /** Where `value` is the median of per-round ratios (subject and baseline measured in the same round): those ratios, in round order. */
+  readonly rounds?: readonly number[];
   /** The goal from the issue (e.g. 0.9); `pass` is value >= goal. */
   readonly goal?: number;
   readonly pass?: boolean;

@@ -37,6 +37,8 @@ export interface KvSettings {
   /** Bytes each method moves per configuration per round (timed fetches = this / fetch bytes, clamped). */
   readonly targetBytes: number;
   readonly minFetches: number;
+  /** Each measurement (one method, shape and round) runs timed fetches until they took at least this long (at most 1,000 fetches). */
+  readonly minMs: number;
   readonly transport: TransportChoice;
   readonly compare: boolean;
 }
@@ -84,6 +86,7 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
     rounds,
     targetBytes: ctx.totalBytes ?? (ctx.quick ? 1 * MiB : 32 * MiB),
     minFetches: 2,
+    minMs: ctx.quick ? 0 : 40,
     transport: o.transport ?? 'auto',
     compare: ctx.compare === true,
   };
@@ -177,7 +180,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         const fetches = Math.min(1000, Math.max(s.minFetches, Math.ceil(s.targetBytes / bytesOf(c))));
         const order = (r + ci) % 2 === 0 ? methods : [...methods].reverse();
         const rid = ++id;
-        req.send({ type: 'measure', id: rid, shape: { blockBytes: c.blockBytes, layers: c.layers, blocks: c.blocks }, seed: SEED + 7919 * (r * s.configs.length + ci + 1), fetches, order });
+        req.send({ type: 'measure', id: rid, shape: { blockBytes: c.blockBytes, layers: c.layers, blocks: c.blocks }, seed: SEED + 7919 * (r * s.configs.length + ci + 1), fetches, minMs: s.minMs, order });
         const res = await req.next<{ type: string; results?: KvMethodResult[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
         if (res.type === 'error' || !res.results) throw new BenchError(`kv ${label(c)} failed: ${res.message ?? 'no result'}`);
         for (const x of res.results) {
@@ -193,6 +196,17 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     let failures = 0;
     const failedAt: string[] = [];
     const gbpsOf = new Map<string, number>();
+    /**
+     * A ratio as the median of per-round ratios: each round measured subject and baseline back
+     * to back (order alternating), so pairing them by round cancels what drifts between rounds
+     * (the load of a shared machine), where a ratio of the two medians would mix rounds.
+     */
+    const paired = (ci: number, subject: KvMethod, baseline: KvMethod): { value: number; rounds: number[] } => {
+      const a = rows.get(`${ci}/${subject}`) ?? [];
+      const b = rows.get(`${ci}/${baseline}`) ?? [];
+      const rounds = a.map((x, r) => gbps(x.bytes, x.ms) / gbps((b[r] as KvMethodResult).bytes, (b[r] as KvMethodResult).ms));
+      return { value: median(rounds), rounds };
+    };
     for (const [ci, c] of s.configs.entries()) {
       for (const m of methods) {
         const runs = rows.get(`${ci}/${m}`) ?? [];
@@ -228,7 +242,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         if (!hello.lanes.includes(lane)) continue;
         for (const variant of ['prepared', 'read'] as const) {
           const m: KvMethod = `${lane}-${variant}`;
-          const value = (gbpsOf.get(`${ci}/${m}`) as number) / (gbpsOf.get(`${ci}/${baseline}`) as number);
+          const { value, rounds } = paired(ci, m, baseline);
           const g = goal(kind, c);
           ratios.push({
             name: `${lane} ${variant === 'prepared' ? 'prepared' : 'engine.read'}/${baseline} @ ${label(c)}`,
@@ -237,11 +251,12 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
             blockBytes: c.blockBytes,
             descriptors: descriptorsOf(c),
             value,
+            rounds,
             ...(g !== undefined ? { goal: g, pass: value >= g } : {}),
           });
         }
         if (lane === 'same-host' && gbpsOf.has(`${ci}/memcpy-shm`)) {
-          const value = (gbpsOf.get(`${ci}/same-host-prepared`) as number) / (gbpsOf.get(`${ci}/memcpy-shm`) as number);
+          const { value, rounds } = paired(ci, 'same-host-prepared', 'memcpy-shm');
           ratios.push({
             name: `same-host prepared/memcpy-shm @ ${label(c)} (same source memory kind)`,
             subject: NAMES['same-host-prepared'](transportOf('same-host-prepared')),
@@ -249,11 +264,11 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
             blockBytes: c.blockBytes,
             descriptors: descriptorsOf(c),
             value,
+            rounds,
           });
         }
         // The lease and grant overhead: the whole leased fetch against the same engine.read alone.
-        const leased = gbpsOf.get(`${ci}/${lane}-leased`) as number;
-        const plain = gbpsOf.get(`${ci}/${lane}-read`) as number;
+        const overhead = paired(ci, `${lane}-leased`, `${lane}-read`);
         const lg = lane === 'same-host' && c.blockBytes === 64 * KiB && c.sweep !== 'batch' ? 0.8 : undefined;
         ratios.push({
           name: `${lane} leased/engine.read @ ${label(c)} (lease + grant overhead)`,
@@ -261,19 +276,21 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           baseline: NAMES[`${lane}-read`](transportOf(`${lane}-read`)),
           blockBytes: c.blockBytes,
           descriptors: descriptorsOf(c),
-          value: leased / plain,
-          ...(lg !== undefined ? { goal: lg, pass: leased / plain >= lg } : {}),
+          value: overhead.value,
+          rounds: overhead.rounds,
+          ...(lg !== undefined ? { goal: lg, pass: overhead.value >= lg } : {}),
         });
         // What the Session stream saves: the same leased fetch with every lease call unary.
-        const unary = gbpsOf.get(`${ci}/${lane}-leased-unary`);
-        if (unary !== undefined) {
+        if (rows.has(`${ci}/${lane}-leased-unary`)) {
+          const saved = paired(ci, `${lane}-leased`, `${lane}-leased-unary`);
           ratios.push({
             name: `${lane} leased, Session stream/unary calls @ ${label(c)}`,
             subject: NAMES[`${lane}-leased`](transportOf(`${lane}-leased`)),
             baseline: NAMES[`${lane}-leased-unary`](transportOf(`${lane}-leased-unary`)),
             blockBytes: c.blockBytes,
             descriptors: descriptorsOf(c),
-            value: leased / unary,
+            value: saved.value,
+            rounds: saved.rounds,
           });
         }
       }
@@ -335,7 +352,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       ...ready.notes,
       ...hello.notes,
       'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
-      `each method, per shape and round: 1 untimed warm-up fetch, then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round`,
+      `each method, per shape and round: 1 untimed warm-up fetch, then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}) and, past those, more until the timed calls took ${s.minMs} ms (at most 1,000), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round; a ratio row is the median of its per-round ratios (subject and baseline of the same round; \`rounds\` in the JSON)`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
       'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s ranges with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead',
       'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs, for two orders of the same kind of lease: sorted (stride 7919 blocks, in offset order) and unsorted (the order of a real lease\'s blocks: layer-major, the same random block ids in every layer, as the kv fetches; offsets rise only across layers); against engine.register of each 4 KiB block separately (what a lease cost before range grants). The flatness ratio with the goal (0.5 at 10,000) and the per-block comparison are computed from the sorted rows, as before; the unsorted rows have their own flatness ratio and a sorted/unsorted ratio, without goals',

@@ -6,7 +6,8 @@
  *
  * Each `measure` message names a fetch shape, a scatter seed and an order of methods; for
  * each method it runs one untimed warm-up fetch and then `fetches` timed fetches, one at a
- * time, and answers with the time spent inside the fetch calls.
+ * time (more, up to 1,000, until they took `minMs`), and answers with the time spent inside
+ * the fetch calls.
  *
  * A `reread` message (kv --compare) measures the ucx_perftest ucp_get shape instead: one block
  * re-read from one remote offset into offset 0 of the destination, one post at a time (see
@@ -46,6 +47,10 @@ interface Config {
 }
 
 const SAMPLES = 4;
+/** Most timed fetches of one method in one measurement, whatever minMs asks. */
+const MAX_FETCHES = 1000;
+/** Each measurement runs timed fetches until they took at least this long (the `measure` message sets it). */
+let minMs = 0;
 const ipc = workerInit();
 const cfg = JSON.parse(Buffer.from(process.argv[2] as string, 'base64').toString('utf8')) as Config;
 const endpoint = new Uint8Array(Buffer.from(cfg.endpoint, 'base64'));
@@ -196,7 +201,10 @@ async function timed(
   let ms = 0;
   let failures = 0;
   let transport: string | undefined;
-  for (let f = 0; f < fetches; f++) {
+  let done = 0;
+  // At least `fetches`, and more (up to MAX_FETCHES) until the timed calls add up to minMs: a
+  // measurement of a few milliseconds is mostly the noise of a shared machine.
+  for (let f = 0; f < fetches || (ms < minMs && f < MAX_FETCHES); f++, done++) {
     for (let j = 0; j < sample.length; j++) {
       const i = count <= SAMPLES ? j : Math.floor(random() * count);
       sample[j] = i;
@@ -213,7 +221,7 @@ async function timed(
     for (let j = 0; j < sample.length; j++) if (!sameBytes(sample[j] as number, offsets, s, reference)) failures++;
   }
   for (let i = 0; i < count; i++) if (!sameBytes(i, offsets, s, reference)) failures++;
-  return { ms, fetches, bytes: fetches * count * s, descriptors: fetches * count, latencies, failures, ...(transport !== undefined ? { transport } : {}) };
+  return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, ...(transport !== undefined ? { transport } : {}) };
 }
 
 /** Leased: the library's fetch flow per fetch: acquire + one range grant + one batched read + release. */
@@ -352,6 +360,7 @@ ipc.onMessage((m) => {
       return;
     }
     if (m['type'] !== 'measure') return;
+    minMs = Number(m['minMs'] ?? 0);
     const results = await measure(m['shape'] as KvShape, Number(m['seed']), Number(m['fetches']), m['order'] as KvMethod[]);
     ipc.send({ type: 'result', id: m['id'], results });
   };
