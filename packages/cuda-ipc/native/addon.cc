@@ -208,6 +208,25 @@ class CudaWorker : public Napi::AsyncWorker {
   std::vector<Napi::ObjectReference> keep_;
 };
 
+// The tables of copyBatch kept for batches that reuse them (planBatch / copyPlanned).
+struct BatchPlan {
+  struct GrantInfo {
+    uint64_t record;
+    uint64_t generation;
+  };
+  bool write = false;
+  std::vector<Napi::ObjectReference> locals;    // Uint8Array
+  std::vector<Napi::ObjectReference> segments;  // ArrayBuffer
+  std::vector<bool> seqlocked;
+  std::vector<Napi::ObjectReference> grants;  // ArrayBuffer
+  std::vector<GrantInfo> grant_info;
+  std::vector<uint8_t> tokens;
+  std::vector<BatchRemote> remotes;
+  std::vector<double> spans;
+  Napi::ObjectReference generations;  // BigUint64Array
+};
+const napi_type_tag kBatchPlanTag = {0x74776261746368ULL, 0x706c616e76310001ULL};
+
 class Addon : public Napi::Addon<Addon> {
  public:
   Addon(Napi::Env env, Napi::Object exports) : cuda_(std::make_shared<CudaDriver>()) {
@@ -228,6 +247,8 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("seqCopy", &Addon::SeqCopyJs),
         InstanceMethod("seqCopyRange", &Addon::SeqCopyRangeJs),
         InstanceMethod("copyBatch", &Addon::CopyBatchJs),
+        InstanceMethod("planBatch", &Addon::PlanBatchJs),
+        InstanceMethod("copyPlanned", &Addon::CopyPlannedJs),
         InstanceMethod("setState", &Addon::SetStateJs),
         InstanceMethod("loadState", &Addon::LoadStateJs),
         InstanceMethod("importerAdd", &Addon::ImporterAddJs),
@@ -663,9 +684,18 @@ class Addon : public Napi::Addon<Addon> {
     in.n_segments = segments_.size();
     in.grants = grants_.data();
     in.n_grants = grants_.size();
+    // BigUint64Array: 8-byte elements, 8-byte aligned by construction.
+    uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
+    RunTables(env, in, ranges, count, stride, gens);
+    return env.Undefined();
+  }
+
+  // The tables of `in` checked, then the ranges decoded, checked and merged, then the batch
+  // run (copyBatch and copyPlanned). Lengths of `ranges` are read only here, after every
+  // element read of the caller (an element read may run a getter).
+  void RunTables(Napi::Env env, BatchInput& in, const Napi::Float64Array& ranges, size_t count, size_t stride, uint64_t* gens) {
     BatchFailure f;
     if (!CheckBatchTables(in, &f)) ThrowBatch(env, f);
-    // Lengths are read only now, after the last element read above.
     if (count > ranges.ElementLength() / stride) ThrowInvalid(env, "copyBatch: ranges holds fewer than stride * count numbers");
     ranges_.resize(count);
     const double* rd = ranges.Data();
@@ -690,10 +720,165 @@ class Addon : public Napi::Addon<Addon> {
     }
     in.ranges = ranges_.data();
     in.count = merged;
-    // BigUint64Array: 8-byte elements, 8-byte aligned by construction.
-    uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
     bool ok = RunBatch(in, &order_, gens, &f);
     if (!ok) ThrowBatch(env, f);
+  }
+
+  // planBatch(op, locals, remotes, spans, segments, segmentFlags, grants, grantInfo, tokens,
+  //           generations): the tables of copyBatch kept natively for batches that reuse them
+  //           (the transport's plan per batch and per local and remote): the numbers copied
+  //           now, the buffers and mappings referenced (kept alive by the plan). Returns an
+  //           opaque plan for copyPlanned. Validates what copyBatch does; the lengths and
+  //           pointers of every buffer are read again on each copyPlanned (a buffer detached
+  //           since reads as 0 bytes: every range into it then fails its bounds check).
+  Napi::Value PlanBatchJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    auto typed = [&](size_t i, napi_typedarray_type type, const char* what) -> Napi::TypedArray {
+      if (info.Length() <= i || !info[i].IsTypedArray() || info[i].As<Napi::TypedArray>().TypedArrayType() != type) {
+        ThrowInvalid(env, std::string("planBatch: argument ") + std::to_string(i) + " must be a " + what);
+      }
+      return info[i].As<Napi::TypedArray>();
+    };
+    auto array = [&](size_t i, const char* what) -> Napi::Array {
+      if (info.Length() <= i || !info[i].IsArray()) ThrowInvalid(env, std::string("planBatch: argument ") + std::to_string(i) + " must be an array of " + what);
+      return info[i].As<Napi::Array>();
+    };
+    if (info.Length() < 1 || !info[0].IsNumber()) ThrowInvalid(env, "planBatch: op must be a number");
+    double op = info[0].As<Napi::Number>().DoubleValue();
+    if (op != 0 && op != 1) ThrowInvalid(env, "planBatch: op must be 0 (read) or 1 (write)");
+    Napi::Array locals_js = array(1, "Uint8Array");
+    Napi::Float64Array remotes_js = typed(2, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Float64Array spans_js = typed(3, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Array segments_js = array(4, "ArrayBuffer");
+    Napi::Uint8Array flags_js = typed(5, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    Napi::Array grants_js = array(6, "ArrayBuffer");
+    Napi::Float64Array ginfo_js = typed(7, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Uint8Array tokens_js = typed(8, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    Napi::TypedArray gens_js = typed(9, napi_biguint64_array, "BigUint64Array");
+    auto plan = std::make_unique<BatchPlan>();
+    plan->write = op == 1;
+    std::vector<Napi::Value> local_vals(locals_js.Length()), segment_vals(segments_js.Length()), grant_vals(grants_js.Length());
+    for (uint32_t i = 0; i < local_vals.size(); i++) local_vals[i] = locals_js.Get(i);
+    for (uint32_t i = 0; i < segment_vals.size(); i++) segment_vals[i] = segments_js.Get(i);
+    for (uint32_t i = 0; i < grant_vals.size(); i++) grant_vals[i] = grants_js.Get(i);
+    for (size_t i = 0; i < local_vals.size(); i++) {
+      Napi::Value v = local_vals[i];
+      if (!v.IsTypedArray() || v.As<Napi::TypedArray>().TypedArrayType() != napi_uint8_array) {
+        ThrowInvalid(env, "planBatch: locals[" + std::to_string(i) + "] must be a Uint8Array");
+      }
+      plan->locals.push_back(Napi::Persistent(v.As<Napi::Object>()));
+    }
+    if (flags_js.ElementLength() != segment_vals.size()) ThrowInvalid(env, "planBatch: one segment flag per segment");
+    if (gens_js.ElementLength() < segment_vals.size()) ThrowInvalid(env, "planBatch: generations must hold one value per segment");
+    for (size_t i = 0; i < segment_vals.size(); i++) {
+      if (!segment_vals[i].IsArrayBuffer()) ThrowInvalid(env, "planBatch: segments[" + std::to_string(i) + "] must be an ArrayBuffer");
+      uint8_t flags = flags_js.Data()[i];
+      if (flags > 1) ThrowInvalid(env, "planBatch: segment flags must be 0 or 1");
+      plan->segments.push_back(Napi::Persistent(segment_vals[i].As<Napi::Object>()));
+      plan->seqlocked.push_back(flags == 1);
+    }
+    auto safe = [](double d) { return d >= 0 && d <= 9007199254740991.0 && d == static_cast<double>(static_cast<uint64_t>(d)); };
+    if (tokens_js.ByteLength() != grant_vals.size() * kTokenBytes) ThrowInvalid(env, "planBatch: tokens must hold 16 bytes per grant");
+    if (ginfo_js.ElementLength() != grant_vals.size() * 2) ThrowInvalid(env, "planBatch: grantInfo must hold 2 numbers per grant");
+    plan->tokens.assign(tokens_js.Data(), tokens_js.Data() + tokens_js.ByteLength());
+    const double* gi = ginfo_js.Data();
+    for (size_t i = 0; i < grant_vals.size(); i++) {
+      if (!grant_vals[i].IsArrayBuffer()) ThrowInvalid(env, "planBatch: grants[" + std::to_string(i) + "] must be an ArrayBuffer");
+      double record = BatchLoadOnce(gi + 2 * i), generation = BatchLoadOnce(gi + 2 * i + 1);
+      if (!safe(record) || !safe(generation)) ThrowInvalid(env, "planBatch: grantInfo of grant " + std::to_string(i) + " is not a non-negative safe integer");
+      plan->grants.push_back(Napi::Persistent(grant_vals[i].As<Napi::Object>()));
+      plan->grant_info.push_back({static_cast<uint64_t>(record), static_cast<uint64_t>(generation)});
+    }
+    const size_t nrem_values = remotes_js.ElementLength();
+    if (nrem_values % 3 != 0) ThrowInvalid(env, "planBatch: remotes must hold 3 numbers per remote");
+    const double* rv = remotes_js.Data();
+    for (size_t r = 0; r < nrem_values / 3; r++) {
+      double grant = BatchLoadOnce(rv + 3 * r), first = BatchLoadOnce(rv + 3 * r + 1), n = BatchLoadOnce(rv + 3 * r + 2);
+      for (double d : {grant, first, n}) {
+        if (!safe(d)) ThrowInvalid(env, "planBatch: remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
+      }
+      if (grant > 0xffffffffu) ThrowInvalid(env, "planBatch: remote " + std::to_string(r) + " names a grant that is not in the batch");
+      plan->remotes.push_back(BatchRemote{static_cast<uint32_t>(grant), static_cast<uint64_t>(first), static_cast<uint64_t>(n)});
+    }
+    if (spans_js.ElementLength() % kSpanFields != 0) ThrowInvalid(env, "planBatch: spans must hold 3 numbers per span");
+    const double* sd = spans_js.Data();
+    for (size_t i = 0; i < spans_js.ElementLength(); i++) plan->spans.push_back(BatchLoadOnce(sd + i));
+    plan->generations = Napi::Persistent(gens_js.As<Napi::Object>());
+    Napi::External<BatchPlan> ext = Napi::External<BatchPlan>::New(env, plan.release(), [](Napi::Env, BatchPlan* p) { delete p; });
+    ext.TypeTag(&kBatchPlanTag);
+    return ext;
+  }
+
+  // copyPlanned(plan, ranges, count, stride, deadlineMs, maxAttempts, threads): copyBatch
+  // over a plan of planBatch. Every buffer's pointer and length is read again now, and
+  // everything is validated as copyBatch validates it.
+  Napi::Value CopyPlannedJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    if (info.Length() < 1 || !info[0].IsExternal() || !info[0].As<Napi::External<BatchPlan>>().CheckTypeTag(&kBatchPlanTag)) {
+      ThrowInvalid(env, "copyPlanned: argument 0 must be a plan of planBatch");
+    }
+    BatchPlan& plan = *info[0].As<Napi::External<BatchPlan>>().Data();
+    if (info.Length() < 2 || !info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+      ThrowInvalid(env, "copyPlanned: argument 1 must be a Float64Array");
+    }
+    Napi::Float64Array ranges = info[1].As<Napi::Float64Array>();
+    auto number = [&](size_t i, const char* what) -> double {
+      if (info.Length() <= i || !info[i].IsNumber()) ThrowInvalid(env, std::string("copyPlanned: ") + what + " must be a number");
+      return info[i].As<Napi::Number>().DoubleValue();
+    };
+    double count_d = number(2, "count");
+    if (!(count_d >= 0) || count_d > 0xffffffffu || count_d != static_cast<double>(static_cast<size_t>(count_d))) {
+      ThrowInvalid(env, "copyPlanned: count must be a non-negative integer below 2^32");
+    }
+    double stride_d = number(3, "stride");
+    if (!(stride_d >= static_cast<double>(kBatchFields)) || stride_d > 64 || stride_d != static_cast<double>(static_cast<size_t>(stride_d))) {
+      ThrowInvalid(env, "copyPlanned: stride must be an integer from " + std::to_string(kBatchFields) + " to 64");
+    }
+    double deadline = number(4, "deadlineMs");
+    double attempts = number(5, "maxAttempts");
+    double threads_d = info.Length() > 6 && !info[6].IsUndefined() ? number(6, "threads") : 1;
+    if (!(threads_d >= 1) || threads_d > CopyPool::kMaxThreads + 1 || threads_d != static_cast<double>(static_cast<uint32_t>(threads_d))) {
+      ThrowInvalid(env, "copyPlanned: threads must be an integer from 1 to " + std::to_string(CopyPool::kMaxThreads + 1));
+    }
+    BatchInput in;
+    in.write = plan.write;
+    in.deadline_ms = std::isfinite(deadline) && deadline > 0 ? deadline : 0;
+    in.max_attempts = attempts >= 1 && attempts <= 1e9 ? static_cast<uint32_t>(attempts) : kDefaultBatchAttempts;
+    in.threads = static_cast<uint32_t>(threads_d);
+    if (in.threads > 1) {
+      if (!copy_pool_) copy_pool_ = std::make_unique<CopyPool>();
+      in.pool = copy_pool_.get();
+    }
+    // Pointers and lengths as they are now (no JS runs from here on).
+    locals_.resize(plan.locals.size());
+    for (size_t i = 0; i < plan.locals.size(); i++) {
+      Napi::Uint8Array u8 = plan.locals[i].Value().As<Napi::Uint8Array>();
+      locals_[i] = BatchLocal{u8.Data(), u8.ByteLength()};
+    }
+    segments_.resize(plan.segments.size());
+    for (size_t i = 0; i < plan.segments.size(); i++) {
+      Napi::ArrayBuffer ab = plan.segments[i].Value().As<Napi::ArrayBuffer>();
+      segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.seqlocked[i]};
+    }
+    grants_.resize(plan.grants.size());
+    for (size_t i = 0; i < plan.grants.size(); i++) {
+      Napi::ArrayBuffer ab = plan.grants[i].Value().As<Napi::ArrayBuffer>();
+      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.tokens.data() + i * kTokenBytes, plan.grant_info[i].record, plan.grant_info[i].generation};
+    }
+    in.spans = plan.spans.data();
+    in.n_spans = plan.spans.size() / kSpanFields;
+    in.locals = locals_.data();
+    in.n_locals = locals_.size();
+    in.remotes = plan.remotes.data();
+    in.n_remotes = plan.remotes.size();
+    in.segments = segments_.data();
+    in.n_segments = segments_.size();
+    in.grants = grants_.data();
+    in.n_grants = grants_.size();
+    Napi::TypedArray gens_js = plan.generations.Value().As<Napi::TypedArray>();
+    if (gens_js.ElementLength() < segments_.size()) ThrowInvalid(env, "copyPlanned: generations must hold one value per segment");
+    uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
+    RunTables(env, in, ranges, static_cast<size_t>(count_d), static_cast<size_t>(stride_d), gens);
     return env.Undefined();
   }
 

@@ -88,6 +88,9 @@ export interface CudaExport {
   readonly allocSize: number;
 }
 
+/** An opaque native plan of {@link NativeAddon.planBatch} (a type-tagged external). */
+export type BatchPlanHandle = { readonly __batchPlan: unique symbol };
+
 /** The addon's exports, exactly as native/addon.cc defines them. */
 export interface NativeAddon {
   layout(): NativeLayout;
@@ -158,6 +161,28 @@ export interface NativeAddon {
     generations: BigUint64Array,
     threads?: number,
   ): void;
+  /**
+   * The tables of {@link NativeAddon.copyBatch} (same meaning, same checks) kept natively for
+   * batches that reuse them: numbers copied, buffers and mappings referenced (kept alive by
+   * the plan). An opaque plan for {@link NativeAddon.copyPlanned}.
+   */
+  planBatch(
+    op: 0 | 1,
+    locals: readonly Uint8Array[],
+    remotes: Float64Array,
+    spans: Float64Array,
+    segments: readonly ArrayBuffer[],
+    segmentFlags: Uint8Array,
+    grants: readonly ArrayBuffer[],
+    grantInfo: Float64Array,
+    tokens: Uint8Array,
+    generations: BigUint64Array,
+  ): BatchPlanHandle;
+  /**
+   * {@link NativeAddon.copyBatch} over a plan of {@link NativeAddon.planBatch}: every buffer's
+   * pointer and length read again, everything validated as copyBatch does.
+   */
+  copyPlanned(plan: BatchPlanHandle, ranges: Float64Array, count: number, stride: number, deadlineMs: number, maxAttempts: number, threads?: number): void;
   setState(segment: ArrayBuffer, state: number): void;
   loadState(segment: ArrayBuffer): number;
   importerAdd(segment: ArrayBuffer): boolean;
@@ -300,6 +325,15 @@ function copyBatch(
   }
 }
 
+function copyPlanned(plan: BatchPlanHandle, ranges: Float64Array, count: number, stride: number, deadlineMs: number, maxAttempts: number, threads = 1): void {
+  const a = loaded?.addon ?? addon();
+  try {
+    a.copyPlanned(plan, ranges, count, stride, deadlineMs, maxAttempts, threads);
+  } catch (e) {
+    throw toTypedError(e);
+  }
+}
+
 function loadState(segment: ArrayBuffer): number {
   const a = loaded?.addon ?? addon();
   try {
@@ -307,6 +341,11 @@ function loadState(segment: ArrayBuffer): number {
   } catch (e) {
     throw toTypedError(e);
   }
+}
+
+/** Whether the loaded addon has `name` (an addon built before an export was added lacks it). Loads it. */
+export function nativeHas(name: string): boolean {
+  return typeof (addon() as unknown as Record<string, unknown>)[name] === 'function';
 }
 
 /** The addon, with every native error converted to a typed error. Loads lazily. */
@@ -326,6 +365,8 @@ export const native: NativeAddon = {
   seqCopy: wrap('seqCopy'),
   seqCopyRange: wrap('seqCopyRange'),
   copyBatch,
+  planBatch: wrap('planBatch'),
+  copyPlanned,
   setState: wrap('setState'),
   loadState,
   importerAdd: wrap('importerAdd'),

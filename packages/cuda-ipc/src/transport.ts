@@ -85,7 +85,7 @@ import {
   errorFromCode,
   isToken,
 } from '@tensorwire/core';
-import { GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native } from './native.js';
+import { GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native, nativeHas, type BatchPlanHandle } from './native.js';
 import {
   GrantTable,
   RANGE_BYTES,
@@ -424,6 +424,9 @@ const LAYOUT_PROBLEM =
     ? undefined
     : `@tensorwire/cuda-ipc was built for another range layout than this @tensorwire/core's (RANGE_STRIDE ${RANGE_STRIDE})`;
 
+/** Whether the loaded addon keeps batch tables natively (planBatch; an older build does not), asked once, on the first host copy. */
+let plannedCopies: boolean | undefined;
+
 /** Numbers per remote in {@link HostPlan.remotes}: grant index, first span, span count. */
 const REMOTE_STRIDE = 3;
 /** Numbers per span in {@link HostPlan.spans}: segment index, base, limit. */
@@ -469,6 +472,8 @@ interface HostPlan {
   readonly tokens: Uint8Array;
   /** Filled by each copy: the generation each seqlocked segment was copied at. */
   readonly generations: BigUint64Array;
+  /** The same tables kept natively (planBatch), made on the plan's first copy; null where the addon has no planBatch. */
+  native: BatchPlanHandle | null | undefined;
 }
 
 /** One batch's copy of a pool slot in a transfer (a short list: one entry per stream batch). */
@@ -939,6 +944,7 @@ class CudaIpcConnection implements TransportConnection {
       grantInfo: Float64Array.from(grantInfo),
       tokens: tokenBytes,
       generations: new BigUint64Array(segments.length),
+      native: undefined,
     };
     this.#plans.set(batch, plan);
     return plan;
@@ -1002,24 +1008,38 @@ class CudaIpcConnection implements TransportConnection {
   /** Host memory on both sides: the whole batch in one native call. */
   #copyHost(batch: TransferBatch, plan: HostPlan, options: ExecuteOptions): void {
     try {
-      native.copyBatch(
-        plan.op,
-        batch.ranges,
-        batch.count,
-        RANGE_STRIDE,
-        plan.locals,
-        plan.remotes,
-        plan.spans,
-        plan.segments,
-        plan.segmentFlags,
-        plan.grants,
-        plan.grantInfo,
-        plan.tokens,
-        options.deadline,
-        SLOT_ATTEMPTS,
-        plan.generations,
-        this.#owner.copyThreads,
-      );
+      // A plan is copied through many times (every post of a prepared transfer, every batch over
+      // the same local and remote): its tables go to the addon once (planBatch), and each copy
+      // passes only the ranges (copyPlanned), instead of sixteen arguments read again per call.
+      let planned = plan.native;
+      if (planned === undefined) {
+        plannedCopies ??= nativeHas('planBatch');
+        planned = plannedCopies
+          ? native.planBatch(plan.op, plan.locals, plan.remotes, plan.spans, plan.segments, plan.segmentFlags, plan.grants, plan.grantInfo, plan.tokens, plan.generations)
+          : null;
+        plan.native = planned;
+      }
+      if (planned !== null) native.copyPlanned(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads);
+      else {
+        native.copyBatch(
+          plan.op,
+          batch.ranges,
+          batch.count,
+          RANGE_STRIDE,
+          plan.locals,
+          plan.remotes,
+          plan.spans,
+          plan.segments,
+          plan.segmentFlags,
+          plan.grants,
+          plan.grantInfo,
+          plan.tokens,
+          options.deadline,
+          SLOT_ATTEMPTS,
+          plan.generations,
+          this.#owner.copyThreads,
+        );
+      }
     } catch (e) {
       throw this.#batchError(e, batch, plan);
     }

@@ -452,6 +452,23 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
           if (threw !== undefined) expect(threw).toBeInstanceOf(TensorwireError);
           expect(threw === undefined, `valid per oracle: ${valid}; threw: ${String(threw)}`).toBe(valid);
           if (valid && count > 0) copied++;
+          // The same tables kept natively (planBatch) and copied through (copyPlanned): the same
+          // outcome, the same error code, the same bytes in the locals and the shared region.
+          const arenaA = arena.slice();
+          const sharedA = sharedCopy.slice();
+          sharedCopy.set(sharedBefore);
+          arena.fill(0xa5);
+          let threwPlanned: unknown;
+          try {
+            const plan = native.planBatch(op, locals, remotes, spans, segments, Uint8Array.from(seq), [grant], new Float64Array(2), token, new BigUint64Array(segments.length));
+            native.copyPlanned(plan, ranges, count, S, Date.now() + 5000, 100);
+          } catch (e) {
+            threwPlanned = e;
+          }
+          expect(threwPlanned === undefined, `copyBatch threw ${String(threw)}; planned threw ${String(threwPlanned)}`).toBe(threw === undefined);
+          if (threw !== undefined) expect((threwPlanned as TensorwireError).code).toBe((threw as TensorwireError).code);
+          expect(Buffer.compare(arena, arenaA)).toBe(0);
+          expect(Buffer.compare(sharedCopy, sharedA)).toBe(0);
           // Guard bytes of the arena untouched (reads land only inside the local buffers).
           let g = 0;
           let smashed = 0;
@@ -533,7 +550,31 @@ describe('copyBatch (the native batch entry point) against lying arrays', () => 
       mutate(args);
       expect(() => (native.copyBatch as (...x: unknown[]) => void)(...args), label).toThrow(TensorwireError);
       expect(native.grantActive(grant), label).toBe(0);
+      // The same tables through planBatch and copyPlanned: refused at one or the other.
+      expect(() => planned(args), `planned: ${label}`).toThrow(TensorwireError);
+      expect(native.grantActive(grant), `planned: ${label}`).toBe(0);
     }
+    expect(() => planned(ok() as unknown[])).not.toThrow();
+  });
+
+  /** copyBatch's arguments as planBatch + copyPlanned. */
+  function planned(a: unknown[]): void {
+    const plan = (native.planBatch as (...x: unknown[]) => ReturnType<typeof native.planBatch>)(a[0], a[4], a[5], a[6], a[7], a[8], a[9], a[10], a[11], a[14]);
+    (native.copyPlanned as (...x: unknown[]) => void)(plan, a[1], a[2], a[3], a[12], a[13]);
+  }
+
+  it('copyPlanned takes only a plan of planBatch, and a plan whose local was detached since copies nothing into it', () => {
+    for (const notPlan of [undefined, {}, 7, new ArrayBuffer(8), () => undefined]) {
+      expect(() => (native.copyPlanned as (...x: unknown[]) => void)(notPlan, new Float64Array(7), 0, S, 0, 0)).toThrow(TensorwireError);
+    }
+    const victim = new Uint8Array(4096);
+    const plan = native.planBatch(0, [victim], new Float64Array([0, 0, 1]), new Float64Array([0, DATA_OFFSET, SLOT]), [sharedMapping], Uint8Array.of(0), [grant], new Float64Array(2), token, new BigUint64Array(1));
+    const ranges = new Float64Array([0, 0, 0, 0, 0, 4096, 0]);
+    native.copyPlanned(plan, ranges, 1, S, 0, 0);
+    expect(victim[0]).toBe(shared[0]);
+    structuredClone(victim.buffer, { transfer: [victim.buffer] }); // detaches victim: 0 bytes now
+    expect(() => native.copyPlanned(plan, ranges, 1, S, 0, 0)).toThrow(InvalidInputError);
+    expect(native.grantActive(grant)).toBe(0);
   });
 
   it('a getter in a table array that detaches a buffer already read cannot make the addon use it', () => {
