@@ -6,7 +6,7 @@ export type { CudaIpcTransportOptions, CudaIpcLimits, CudaIpcPeerEvent, RemoteGr
 export { allocateSharedMemory, releaseSharedMemory, sweep } from './shared.js';
 export type { SweepReport } from './shared.js';
 export { capabilities, isAvailable, native, addonCandidates, SegmentKind, SegmentState, GrantResult } from './native.js';
-export type { Capabilities, NativeAddon, SegmentMeta, SegmentLocator, SegmentInit, NativeLayout, CudaProbe, CudaExport } from './native.js';
+export type { BatchPlanHandle, Capabilities, NativeAddon, SegmentMeta, SegmentLocator, SegmentInit, NativeLayout, CudaProbe, CudaExport } from './native.js';
 export type { PlatformInfo } from '@tensorwire/core/addon';
 export type { TableGeometry } from './grants.js';
 export { DTYPES, MAX_NDIM } from './dtype.js';
