@@ -120,7 +120,7 @@ export const MUTANTS = [
   },
   {
     id: 'plan-stale-local',
-    what: 'copyPlanned trusts more local bytes than the buffer has now (a plan kept across a detach or a shrink)',
+    what: 'a run of the batch tables (copyBatch, copyPlanned) trusts more local bytes than the buffer has now (a plan kept across a detach or a shrink)',
     file: 'addon.cc',
     find: /(plan\.locals\[i\]\.Value\(\)\.As<Napi::Uint8Array>\(\);\s*locals_\[i\] = BatchLocal\{u8\.Data\(\), )u8\.ByteLength\(\)\}/,
     replace: '$1u8.ByteLength() + 4096}',
@@ -128,9 +128,9 @@ export const MUTANTS = [
   },
   {
     id: 'plan-flags',
-    what: 'planBatch no longer refuses a segment flag other than 0 or 1',
+    what: 'the batch table parser (copyBatch, planBatch) no longer refuses a segment flag other than 0 or 1',
     file: 'addon.cc',
-    find: /if \(flags > 1\) ThrowInvalid\(env, "planBatch: segment flags must be 0 or 1"\);/,
+    find: /if \(flags > 1\) ThrowInvalid\(env, name \+ ": segment flags must be 0 or 1"\);/,
     replace: '',
     tests: ['test/batch.test.ts'],
   },

@@ -563,140 +563,195 @@ class Addon : public Napi::Addon<Addon> {
   // Throws an error with `code` (TW_INVALID_INPUT, TW_REMOTE_REJECTED with `remoteCode`,
   // TW_TIMED_OUT) and, where it is about one, `range`, `grant` or `segment` (indices).
   Napi::Value CopyBatchJs(const Napi::CallbackInfo& info) {
+    const bool write = OpArg(info, "copyBatch");
+    Napi::Float64Array ranges = TypedArg(info, "copyBatch", 1, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    const CallArgs call = ParseCall(info, "copyBatch", {2, 3, 12, 13, 15});
+    std::unique_ptr<BatchPlan> plan = ParsePlan(info, "copyBatch", write, {4, 5, 6, 7, 8, 9, 10, 11, 14});
+    RunPlan(info.Env(), *plan, ranges, call, "copyBatch");
+    return info.Env().Undefined();
+  }
+
+  // Positions of the table arguments in a call (copyBatch and planBatch put them elsewhere).
+  struct TableArgs {
+    size_t locals, remotes, spans, segments, flags, grants, grant_info, tokens, generations;
+  };
+  // Positions of the per-call arguments, and what they say once checked.
+  struct CallPositions {
+    size_t count, stride, deadline, attempts, threads;
+  };
+  struct CallArgs {
+    size_t count;
+    size_t stride;
+    double deadline;
+    double attempts;
+    uint32_t threads;
+  };
+
+  static Napi::TypedArray TypedArg(const Napi::CallbackInfo& info, const char* fn, size_t i, napi_typedarray_type type, const char* what) {
+    if (info.Length() <= i || !info[i].IsTypedArray() || info[i].As<Napi::TypedArray>().TypedArrayType() != type) {
+      ThrowInvalid(info.Env(), std::string(fn) + ": argument " + std::to_string(i) + " must be a " + what);
+    }
+    return info[i].As<Napi::TypedArray>();
+  }
+
+  static Napi::Array ArrayArg(const Napi::CallbackInfo& info, const char* fn, size_t i, const char* what) {
+    if (info.Length() <= i || !info[i].IsArray()) ThrowInvalid(info.Env(), std::string(fn) + ": argument " + std::to_string(i) + " must be an array of " + what);
+    return info[i].As<Napi::Array>();
+  }
+
+  static double NumberArg(const Napi::CallbackInfo& info, const char* fn, size_t i, const char* what) {
+    if (info.Length() <= i || !info[i].IsNumber()) ThrowInvalid(info.Env(), std::string(fn) + ": " + what + " must be a number");
+    return info[i].As<Napi::Number>().DoubleValue();
+  }
+
+  // Argument 0: 0 (read) or 1 (write); true for a write.
+  static bool OpArg(const Napi::CallbackInfo& info, const char* fn) {
+    double op = NumberArg(info, fn, 0, "op");
+    if (op != 0 && op != 1) ThrowInvalid(info.Env(), std::string(fn) + ": op must be 0 (read) or 1 (write)");
+    return op == 1;
+  }
+
+  static CallArgs ParseCall(const Napi::CallbackInfo& info, const char* fn, const CallPositions& at) {
     Napi::Env env = info.Env();
-    auto typed = [&](size_t i, napi_typedarray_type type, const char* what) -> Napi::TypedArray {
-      if (info.Length() <= i || !info[i].IsTypedArray() || info[i].As<Napi::TypedArray>().TypedArrayType() != type) {
-        ThrowInvalid(env, std::string("copyBatch: argument ") + std::to_string(i) + " must be a " + what);
-      }
-      return info[i].As<Napi::TypedArray>();
-    };
-    auto array = [&](size_t i, const char* what) -> Napi::Array {
-      if (info.Length() <= i || !info[i].IsArray()) ThrowInvalid(env, std::string("copyBatch: argument ") + std::to_string(i) + " must be an array of " + what);
-      return info[i].As<Napi::Array>();
-    };
-    auto number = [&](size_t i, const char* what) -> double {
-      if (info.Length() <= i || !info[i].IsNumber()) ThrowInvalid(env, std::string("copyBatch: ") + what + " must be a number");
-      return info[i].As<Napi::Number>().DoubleValue();
-    };
-    double op = number(0, "op");
-    if (op != 0 && op != 1) ThrowInvalid(env, "copyBatch: op must be 0 (read) or 1 (write)");
-    Napi::Float64Array ranges = typed(1, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    double count_d = number(2, "count");
+    double count_d = NumberArg(info, fn, at.count, "count");
     if (!(count_d >= 0) || count_d > 0xffffffffu || count_d != static_cast<double>(static_cast<size_t>(count_d))) {
-      ThrowInvalid(env, "copyBatch: count must be a non-negative integer below 2^32");
+      ThrowInvalid(env, std::string(fn) + ": count must be a non-negative integer below 2^32");
     }
-    const size_t count = static_cast<size_t>(count_d);
-    double stride_d = number(3, "stride");
+    double stride_d = NumberArg(info, fn, at.stride, "stride");
     if (!(stride_d >= static_cast<double>(kBatchFields)) || stride_d > 64 || stride_d != static_cast<double>(static_cast<size_t>(stride_d))) {
-      ThrowInvalid(env, "copyBatch: stride must be an integer from " + std::to_string(kBatchFields) + " to 64");
+      ThrowInvalid(env, std::string(fn) + ": stride must be an integer from " + std::to_string(kBatchFields) + " to 64");
     }
-    const size_t stride = static_cast<size_t>(stride_d);
-    Napi::Array locals_js = array(4, "Uint8Array");
-    Napi::Float64Array remotes_js = typed(5, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Float64Array spans_js = typed(6, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Array segments_js = array(7, "ArrayBuffer");
-    Napi::Uint8Array flags_js = typed(8, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
-    Napi::Array grants_js = array(9, "ArrayBuffer");
-    Napi::Float64Array ginfo_js = typed(10, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Uint8Array tokens_js = typed(11, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
-    double deadline = number(12, "deadlineMs");
-    double attempts = number(13, "maxAttempts");
-    Napi::TypedArray gens_js = typed(14, napi_biguint64_array, "BigUint64Array");
+    double deadline = NumberArg(info, fn, at.deadline, "deadlineMs");
+    double attempts = NumberArg(info, fn, at.attempts, "maxAttempts");
     // Optional: threads that copy (1 = this thread only; large groups split by bytes).
-    double threads_d = info.Length() > 15 && !info[15].IsUndefined() ? number(15, "threads") : 1;
+    double threads_d = info.Length() > at.threads && !info[at.threads].IsUndefined() ? NumberArg(info, fn, at.threads, "threads") : 1;
     if (!(threads_d >= 1) || threads_d > CopyPool::kMaxThreads + 1 || threads_d != static_cast<double>(static_cast<uint32_t>(threads_d))) {
-      ThrowInvalid(env, "copyBatch: threads must be an integer from 1 to " + std::to_string(CopyPool::kMaxThreads + 1));
+      ThrowInvalid(env, std::string(fn) + ": threads must be an integer from 1 to " + std::to_string(CopyPool::kMaxThreads + 1));
     }
+    return CallArgs{static_cast<size_t>(count_d), static_cast<size_t>(stride_d), deadline, attempts, static_cast<uint32_t>(threads_d)};
+  }
 
-    BatchInput in;
-    in.write = op == 1;
-    in.deadline_ms = std::isfinite(deadline) && deadline > 0 ? deadline : 0;
-    in.max_attempts = attempts >= 1 && attempts <= 1e9 ? static_cast<uint32_t>(attempts) : kDefaultBatchAttempts;
-    in.threads = static_cast<uint32_t>(threads_d);
-    if (in.threads > 1) {
-      if (!copy_pool_) copy_pool_ = std::make_unique<CopyPool>();
-      in.pool = copy_pool_.get();
-    }
-
-    // First every element read (an element read may run a getter, which could detach or
-    // replace a buffer), then, with no JS running any more, their pointers and lengths.
+  // The tables of a call (positions `at`), checked for shape: the numbers copied out of their
+  // typed arrays (so a buffer shared with another thread cannot change them after the check),
+  // the buffers and mappings referenced. First every element read (an element read may run a
+  // getter, which could detach or replace a buffer); pointers and lengths are read only when
+  // the plan runs (RunPlan), with no JS running any more.
+  static std::unique_ptr<BatchPlan> ParsePlan(const Napi::CallbackInfo& info, const char* fn, bool write, const TableArgs& at) {
+    Napi::Env env = info.Env();
+    const std::string name(fn);
+    Napi::Array locals_js = ArrayArg(info, fn, at.locals, "Uint8Array");
+    Napi::Float64Array remotes_js = TypedArg(info, fn, at.remotes, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Float64Array spans_js = TypedArg(info, fn, at.spans, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Array segments_js = ArrayArg(info, fn, at.segments, "ArrayBuffer");
+    Napi::Uint8Array flags_js = TypedArg(info, fn, at.flags, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    Napi::Array grants_js = ArrayArg(info, fn, at.grants, "ArrayBuffer");
+    Napi::Float64Array ginfo_js = TypedArg(info, fn, at.grant_info, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    Napi::Uint8Array tokens_js = TypedArg(info, fn, at.tokens, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
+    Napi::TypedArray gens_js = TypedArg(info, fn, at.generations, napi_biguint64_array, "BigUint64Array");
+    auto plan = std::make_unique<BatchPlan>();
+    plan->write = write;
     std::vector<Napi::Value> local_vals(locals_js.Length()), segment_vals(segments_js.Length()), grant_vals(grants_js.Length());
     for (uint32_t i = 0; i < local_vals.size(); i++) local_vals[i] = locals_js.Get(i);
     for (uint32_t i = 0; i < segment_vals.size(); i++) segment_vals[i] = segments_js.Get(i);
     for (uint32_t i = 0; i < grant_vals.size(); i++) grant_vals[i] = grants_js.Get(i);
-    locals_.resize(local_vals.size());
     for (size_t i = 0; i < local_vals.size(); i++) {
       Napi::Value v = local_vals[i];
       if (!v.IsTypedArray() || v.As<Napi::TypedArray>().TypedArrayType() != napi_uint8_array) {
-        ThrowInvalid(env, "copyBatch: locals[" + std::to_string(i) + "] must be a Uint8Array");
+        ThrowInvalid(env, name + ": locals[" + std::to_string(i) + "] must be a Uint8Array");
       }
-      Napi::Uint8Array u8 = v.As<Napi::Uint8Array>();
-      locals_[i] = BatchLocal{u8.Data(), u8.ByteLength()};
+      plan->locals.push_back(Napi::Persistent(v.As<Napi::Object>()));
     }
-    segments_.resize(segment_vals.size());
-    if (flags_js.ElementLength() != segments_.size()) ThrowInvalid(env, "copyBatch: one segment flag per segment");
-    if (gens_js.ElementLength() < segments_.size()) ThrowInvalid(env, "copyBatch: generations must hold one value per segment");
+    if (flags_js.ElementLength() != segment_vals.size()) ThrowInvalid(env, name + ": one segment flag per segment");
+    if (gens_js.ElementLength() < segment_vals.size()) ThrowInvalid(env, name + ": generations must hold one value per segment");
     for (size_t i = 0; i < segment_vals.size(); i++) {
-      Napi::Value v = segment_vals[i];
-      if (!v.IsArrayBuffer()) ThrowInvalid(env, "copyBatch: segments[" + std::to_string(i) + "] must be an ArrayBuffer");
-      Napi::ArrayBuffer ab = v.As<Napi::ArrayBuffer>();
+      if (!segment_vals[i].IsArrayBuffer()) ThrowInvalid(env, name + ": segments[" + std::to_string(i) + "] must be an ArrayBuffer");
       uint8_t flags = flags_js.Data()[i];
-      if (flags > 1) ThrowInvalid(env, "copyBatch: segment flags must be 0 or 1");
-      segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), flags == 1};
+      if (flags > 1) ThrowInvalid(env, name + ": segment flags must be 0 or 1");
+      plan->segments.push_back(Napi::Persistent(segment_vals[i].As<Napi::Object>()));
+      plan->seqlocked.push_back(flags == 1);
     }
     auto safe = [](double d) { return d >= 0 && d <= 9007199254740991.0 && d == static_cast<double>(static_cast<uint64_t>(d)); };
-    grants_.resize(grant_vals.size());
-    if (tokens_js.ByteLength() != grants_.size() * kTokenBytes) ThrowInvalid(env, "copyBatch: tokens must hold 16 bytes per grant");
-    if (ginfo_js.ElementLength() != grants_.size() * 2) ThrowInvalid(env, "copyBatch: grantInfo must hold 2 numbers per grant");
+    if (tokens_js.ByteLength() != grant_vals.size() * kTokenBytes) ThrowInvalid(env, name + ": tokens must hold 16 bytes per grant");
+    if (ginfo_js.ElementLength() != grant_vals.size() * 2) ThrowInvalid(env, name + ": grantInfo must hold 2 numbers per grant");
+    plan->tokens.assign(tokens_js.Data(), tokens_js.Data() + tokens_js.ByteLength());
     const double* gi = ginfo_js.Data();
     for (size_t i = 0; i < grant_vals.size(); i++) {
-      Napi::Value v = grant_vals[i];
-      if (!v.IsArrayBuffer()) ThrowInvalid(env, "copyBatch: grants[" + std::to_string(i) + "] must be an ArrayBuffer");
-      Napi::ArrayBuffer ab = v.As<Napi::ArrayBuffer>();
+      if (!grant_vals[i].IsArrayBuffer()) ThrowInvalid(env, name + ": grants[" + std::to_string(i) + "] must be an ArrayBuffer");
       double record = BatchLoadOnce(gi + 2 * i), generation = BatchLoadOnce(gi + 2 * i + 1);
-      if (!safe(record) || !safe(generation)) ThrowInvalid(env, "copyBatch: grantInfo of grant " + std::to_string(i) + " is not a non-negative safe integer");
-      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), tokens_js.Data() + i * kTokenBytes, static_cast<uint64_t>(record),
-                              static_cast<uint64_t>(generation)};
+      if (!safe(record) || !safe(generation)) ThrowInvalid(env, name + ": grantInfo of grant " + std::to_string(i) + " is not a non-negative safe integer");
+      plan->grants.push_back(Napi::Persistent(grant_vals[i].As<Napi::Object>()));
+      plan->grant_info.push_back({static_cast<uint64_t>(record), static_cast<uint64_t>(generation)});
     }
-    // The remote table and the ranges are copied out of the typed arrays before they are
-    // checked, so a buffer shared with another thread cannot change them after the check;
-    // a span is read once, by the range that uses it (DecodeBatchRange).
     const size_t nrem_values = remotes_js.ElementLength();
-    if (nrem_values % 3 != 0) ThrowInvalid(env, "copyBatch: remotes must hold 3 numbers per remote");
-    remotes_.resize(nrem_values / 3);
+    if (nrem_values % 3 != 0) ThrowInvalid(env, name + ": remotes must hold 3 numbers per remote");
     const double* rv = remotes_js.Data();
-    for (size_t r = 0; r < remotes_.size(); r++) {
+    for (size_t r = 0; r < nrem_values / 3; r++) {
       double grant = BatchLoadOnce(rv + 3 * r), first = BatchLoadOnce(rv + 3 * r + 1), n = BatchLoadOnce(rv + 3 * r + 2);
-      for (double d : {grant, first, n}) {
-        if (!safe(d)) ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
+      for (double x : {grant, first, n}) {
+        if (!safe(x)) ThrowInvalid(env, name + ": remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
       }
-      if (grant > 0xffffffffu) ThrowInvalid(env, "copyBatch: remote " + std::to_string(r) + " names a grant that is not in the batch");
-      remotes_[r] = BatchRemote{static_cast<uint32_t>(grant), static_cast<uint64_t>(first), static_cast<uint64_t>(n)};
+      if (grant > 0xffffffffu) ThrowInvalid(env, name + ": remote " + std::to_string(r) + " names a grant that is not in the batch");
+      plan->remotes.push_back(BatchRemote{static_cast<uint32_t>(grant), static_cast<uint64_t>(first), static_cast<uint64_t>(n)});
     }
-    if (spans_js.ElementLength() % kSpanFields != 0) ThrowInvalid(env, "copyBatch: spans must hold 3 numbers per span");
-    in.spans = spans_js.Data();
-    in.n_spans = spans_js.ElementLength() / kSpanFields;
+    if (spans_js.ElementLength() % kSpanFields != 0) ThrowInvalid(env, name + ": spans must hold 3 numbers per span");
+    const double* sd = spans_js.Data();
+    plan->spans.reserve(spans_js.ElementLength());
+    for (size_t i = 0; i < spans_js.ElementLength(); i++) plan->spans.push_back(BatchLoadOnce(sd + i));
+    plan->generations = Napi::Persistent(gens_js.As<Napi::Object>());
+    return plan;
+  }
+
+  // A plan run over `ranges`: every buffer's pointer and length read now (no JS runs from here
+  // on; a buffer detached since it was planned reads as 0 bytes), then RunTables.
+  void RunPlan(Napi::Env env, BatchPlan& plan, const Napi::Float64Array& ranges, const CallArgs& call, const char* fn) {
+    BatchInput in;
+    in.write = plan.write;
+    in.deadline_ms = std::isfinite(call.deadline) && call.deadline > 0 ? call.deadline : 0;
+    in.max_attempts = call.attempts >= 1 && call.attempts <= 1e9 ? static_cast<uint32_t>(call.attempts) : kDefaultBatchAttempts;
+    in.threads = call.threads;
+    if (in.threads > 1) {
+      if (!copy_pool_) copy_pool_ = std::make_unique<CopyPool>();
+      in.pool = copy_pool_.get();
+    }
+    locals_.resize(plan.locals.size());
+    for (size_t i = 0; i < plan.locals.size(); i++) {
+      Napi::Uint8Array u8 = plan.locals[i].Value().As<Napi::Uint8Array>();
+      locals_[i] = BatchLocal{u8.Data(), u8.ByteLength()};
+    }
+    segments_.resize(plan.segments.size());
+    for (size_t i = 0; i < plan.segments.size(); i++) {
+      Napi::ArrayBuffer ab = plan.segments[i].Value().As<Napi::ArrayBuffer>();
+      segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.seqlocked[i]};
+    }
+    grants_.resize(plan.grants.size());
+    for (size_t i = 0; i < plan.grants.size(); i++) {
+      Napi::ArrayBuffer ab = plan.grants[i].Value().As<Napi::ArrayBuffer>();
+      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.tokens.data() + i * kTokenBytes, plan.grant_info[i].record, plan.grant_info[i].generation};
+    }
+    in.spans = plan.spans.data();
+    in.n_spans = plan.spans.size() / kSpanFields;
     in.locals = locals_.data();
     in.n_locals = locals_.size();
-    in.remotes = remotes_.data();
-    in.n_remotes = remotes_.size();
+    in.remotes = plan.remotes.data();
+    in.n_remotes = plan.remotes.size();
     in.segments = segments_.data();
     in.n_segments = segments_.size();
     in.grants = grants_.data();
     in.n_grants = grants_.size();
+    Napi::TypedArray gens_js = plan.generations.Value().As<Napi::TypedArray>();
+    if (gens_js.ElementLength() < segments_.size()) ThrowInvalid(env, std::string(fn) + ": generations must hold one value per segment");
     // BigUint64Array: 8-byte elements, 8-byte aligned by construction.
     uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
-    RunTables(env, in, ranges, count, stride, gens);
-    return env.Undefined();
+    RunTables(env, in, ranges, call.count, call.stride, gens, fn);
   }
 
   // The tables of `in` checked, then the ranges decoded, checked and merged, then the batch
-  // run (copyBatch and copyPlanned). Lengths of `ranges` are read only here, after every
+  // run (for RunPlan). Lengths of `ranges` are read only here, after every
   // element read of the caller (an element read may run a getter).
-  void RunTables(Napi::Env env, BatchInput& in, const Napi::Float64Array& ranges, size_t count, size_t stride, uint64_t* gens) {
+  void RunTables(Napi::Env env, BatchInput& in, const Napi::Float64Array& ranges, size_t count, size_t stride, uint64_t* gens, const char* fn) {
     BatchFailure f;
     if (!CheckBatchTables(in, &f)) ThrowBatch(env, f);
-    if (count > ranges.ElementLength() / stride) ThrowInvalid(env, "copyBatch: ranges holds fewer than stride * count numbers");
+    if (count > ranges.ElementLength() / stride) ThrowInvalid(env, std::string(fn) + ": ranges holds fewer than stride * count numbers");
     ranges_.resize(count);
     const double* rd = ranges.Data();
     // Every range is decoded and checked on its own (its granted range, the mapping and the
@@ -726,159 +781,26 @@ class Addon : public Napi::Addon<Addon> {
 
   // planBatch(op, locals, remotes, spans, segments, segmentFlags, grants, grantInfo, tokens,
   //           generations): the tables of copyBatch kept natively for batches that reuse them
-  //           (the transport's plan per batch and per local and remote): the numbers copied
-  //           now, the buffers and mappings referenced (kept alive by the plan). Returns an
-  //           opaque plan for copyPlanned. Validates what copyBatch does; the lengths and
-  //           pointers of every buffer are read again on each copyPlanned (a buffer detached
-  //           since reads as 0 bytes: every range into it then fails its bounds check).
+  //           (the transport's plan per batch and per local and remote), parsed and checked as
+  //           copyBatch parses them (ParsePlan). Returns an opaque plan for copyPlanned.
   Napi::Value PlanBatchJs(const Napi::CallbackInfo& info) {
-    Napi::Env env = info.Env();
-    auto typed = [&](size_t i, napi_typedarray_type type, const char* what) -> Napi::TypedArray {
-      if (info.Length() <= i || !info[i].IsTypedArray() || info[i].As<Napi::TypedArray>().TypedArrayType() != type) {
-        ThrowInvalid(env, std::string("planBatch: argument ") + std::to_string(i) + " must be a " + what);
-      }
-      return info[i].As<Napi::TypedArray>();
-    };
-    auto array = [&](size_t i, const char* what) -> Napi::Array {
-      if (info.Length() <= i || !info[i].IsArray()) ThrowInvalid(env, std::string("planBatch: argument ") + std::to_string(i) + " must be an array of " + what);
-      return info[i].As<Napi::Array>();
-    };
-    if (info.Length() < 1 || !info[0].IsNumber()) ThrowInvalid(env, "planBatch: op must be a number");
-    double op = info[0].As<Napi::Number>().DoubleValue();
-    if (op != 0 && op != 1) ThrowInvalid(env, "planBatch: op must be 0 (read) or 1 (write)");
-    Napi::Array locals_js = array(1, "Uint8Array");
-    Napi::Float64Array remotes_js = typed(2, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Float64Array spans_js = typed(3, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Array segments_js = array(4, "ArrayBuffer");
-    Napi::Uint8Array flags_js = typed(5, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
-    Napi::Array grants_js = array(6, "ArrayBuffer");
-    Napi::Float64Array ginfo_js = typed(7, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
-    Napi::Uint8Array tokens_js = typed(8, napi_uint8_array, "Uint8Array").As<Napi::Uint8Array>();
-    Napi::TypedArray gens_js = typed(9, napi_biguint64_array, "BigUint64Array");
-    auto plan = std::make_unique<BatchPlan>();
-    plan->write = op == 1;
-    std::vector<Napi::Value> local_vals(locals_js.Length()), segment_vals(segments_js.Length()), grant_vals(grants_js.Length());
-    for (uint32_t i = 0; i < local_vals.size(); i++) local_vals[i] = locals_js.Get(i);
-    for (uint32_t i = 0; i < segment_vals.size(); i++) segment_vals[i] = segments_js.Get(i);
-    for (uint32_t i = 0; i < grant_vals.size(); i++) grant_vals[i] = grants_js.Get(i);
-    for (size_t i = 0; i < local_vals.size(); i++) {
-      Napi::Value v = local_vals[i];
-      if (!v.IsTypedArray() || v.As<Napi::TypedArray>().TypedArrayType() != napi_uint8_array) {
-        ThrowInvalid(env, "planBatch: locals[" + std::to_string(i) + "] must be a Uint8Array");
-      }
-      plan->locals.push_back(Napi::Persistent(v.As<Napi::Object>()));
-    }
-    if (flags_js.ElementLength() != segment_vals.size()) ThrowInvalid(env, "planBatch: one segment flag per segment");
-    if (gens_js.ElementLength() < segment_vals.size()) ThrowInvalid(env, "planBatch: generations must hold one value per segment");
-    for (size_t i = 0; i < segment_vals.size(); i++) {
-      if (!segment_vals[i].IsArrayBuffer()) ThrowInvalid(env, "planBatch: segments[" + std::to_string(i) + "] must be an ArrayBuffer");
-      uint8_t flags = flags_js.Data()[i];
-      if (flags > 1) ThrowInvalid(env, "planBatch: segment flags must be 0 or 1");
-      plan->segments.push_back(Napi::Persistent(segment_vals[i].As<Napi::Object>()));
-      plan->seqlocked.push_back(flags == 1);
-    }
-    auto safe = [](double d) { return d >= 0 && d <= 9007199254740991.0 && d == static_cast<double>(static_cast<uint64_t>(d)); };
-    if (tokens_js.ByteLength() != grant_vals.size() * kTokenBytes) ThrowInvalid(env, "planBatch: tokens must hold 16 bytes per grant");
-    if (ginfo_js.ElementLength() != grant_vals.size() * 2) ThrowInvalid(env, "planBatch: grantInfo must hold 2 numbers per grant");
-    plan->tokens.assign(tokens_js.Data(), tokens_js.Data() + tokens_js.ByteLength());
-    const double* gi = ginfo_js.Data();
-    for (size_t i = 0; i < grant_vals.size(); i++) {
-      if (!grant_vals[i].IsArrayBuffer()) ThrowInvalid(env, "planBatch: grants[" + std::to_string(i) + "] must be an ArrayBuffer");
-      double record = BatchLoadOnce(gi + 2 * i), generation = BatchLoadOnce(gi + 2 * i + 1);
-      if (!safe(record) || !safe(generation)) ThrowInvalid(env, "planBatch: grantInfo of grant " + std::to_string(i) + " is not a non-negative safe integer");
-      plan->grants.push_back(Napi::Persistent(grant_vals[i].As<Napi::Object>()));
-      plan->grant_info.push_back({static_cast<uint64_t>(record), static_cast<uint64_t>(generation)});
-    }
-    const size_t nrem_values = remotes_js.ElementLength();
-    if (nrem_values % 3 != 0) ThrowInvalid(env, "planBatch: remotes must hold 3 numbers per remote");
-    const double* rv = remotes_js.Data();
-    for (size_t r = 0; r < nrem_values / 3; r++) {
-      double grant = BatchLoadOnce(rv + 3 * r), first = BatchLoadOnce(rv + 3 * r + 1), n = BatchLoadOnce(rv + 3 * r + 2);
-      for (double d : {grant, first, n}) {
-        if (!safe(d)) ThrowInvalid(env, "planBatch: remote " + std::to_string(r) + " has a value that is not a non-negative safe integer");
-      }
-      if (grant > 0xffffffffu) ThrowInvalid(env, "planBatch: remote " + std::to_string(r) + " names a grant that is not in the batch");
-      plan->remotes.push_back(BatchRemote{static_cast<uint32_t>(grant), static_cast<uint64_t>(first), static_cast<uint64_t>(n)});
-    }
-    if (spans_js.ElementLength() % kSpanFields != 0) ThrowInvalid(env, "planBatch: spans must hold 3 numbers per span");
-    const double* sd = spans_js.Data();
-    for (size_t i = 0; i < spans_js.ElementLength(); i++) plan->spans.push_back(BatchLoadOnce(sd + i));
-    plan->generations = Napi::Persistent(gens_js.As<Napi::Object>());
-    Napi::External<BatchPlan> ext = Napi::External<BatchPlan>::New(env, plan.release(), [](Napi::Env, BatchPlan* p) { delete p; });
+    const bool write = OpArg(info, "planBatch");
+    std::unique_ptr<BatchPlan> plan = ParsePlan(info, "planBatch", write, {1, 2, 3, 4, 5, 6, 7, 8, 9});
+    Napi::External<BatchPlan> ext = Napi::External<BatchPlan>::New(info.Env(), plan.release(), [](Napi::Env, BatchPlan* p) { delete p; });
     ext.TypeTag(&kBatchPlanTag);
     return ext;
   }
 
   // copyPlanned(plan, ranges, count, stride, deadlineMs, maxAttempts, threads): copyBatch
-  // over a plan of planBatch. Every buffer's pointer and length is read again now, and
-  // everything is validated as copyBatch validates it.
+  // over a plan of planBatch (RunPlan, as copyBatch runs its own tables).
   Napi::Value CopyPlannedJs(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     if (info.Length() < 1 || !info[0].IsExternal() || !info[0].As<Napi::External<BatchPlan>>().CheckTypeTag(&kBatchPlanTag)) {
       ThrowInvalid(env, "copyPlanned: argument 0 must be a plan of planBatch");
     }
     BatchPlan& plan = *info[0].As<Napi::External<BatchPlan>>().Data();
-    if (info.Length() < 2 || !info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
-      ThrowInvalid(env, "copyPlanned: argument 1 must be a Float64Array");
-    }
-    Napi::Float64Array ranges = info[1].As<Napi::Float64Array>();
-    auto number = [&](size_t i, const char* what) -> double {
-      if (info.Length() <= i || !info[i].IsNumber()) ThrowInvalid(env, std::string("copyPlanned: ") + what + " must be a number");
-      return info[i].As<Napi::Number>().DoubleValue();
-    };
-    double count_d = number(2, "count");
-    if (!(count_d >= 0) || count_d > 0xffffffffu || count_d != static_cast<double>(static_cast<size_t>(count_d))) {
-      ThrowInvalid(env, "copyPlanned: count must be a non-negative integer below 2^32");
-    }
-    double stride_d = number(3, "stride");
-    if (!(stride_d >= static_cast<double>(kBatchFields)) || stride_d > 64 || stride_d != static_cast<double>(static_cast<size_t>(stride_d))) {
-      ThrowInvalid(env, "copyPlanned: stride must be an integer from " + std::to_string(kBatchFields) + " to 64");
-    }
-    double deadline = number(4, "deadlineMs");
-    double attempts = number(5, "maxAttempts");
-    double threads_d = info.Length() > 6 && !info[6].IsUndefined() ? number(6, "threads") : 1;
-    if (!(threads_d >= 1) || threads_d > CopyPool::kMaxThreads + 1 || threads_d != static_cast<double>(static_cast<uint32_t>(threads_d))) {
-      ThrowInvalid(env, "copyPlanned: threads must be an integer from 1 to " + std::to_string(CopyPool::kMaxThreads + 1));
-    }
-    BatchInput in;
-    in.write = plan.write;
-    in.deadline_ms = std::isfinite(deadline) && deadline > 0 ? deadline : 0;
-    in.max_attempts = attempts >= 1 && attempts <= 1e9 ? static_cast<uint32_t>(attempts) : kDefaultBatchAttempts;
-    in.threads = static_cast<uint32_t>(threads_d);
-    if (in.threads > 1) {
-      if (!copy_pool_) copy_pool_ = std::make_unique<CopyPool>();
-      in.pool = copy_pool_.get();
-    }
-    // Pointers and lengths as they are now (no JS runs from here on).
-    locals_.resize(plan.locals.size());
-    for (size_t i = 0; i < plan.locals.size(); i++) {
-      Napi::Uint8Array u8 = plan.locals[i].Value().As<Napi::Uint8Array>();
-      locals_[i] = BatchLocal{u8.Data(), u8.ByteLength()};
-    }
-    segments_.resize(plan.segments.size());
-    for (size_t i = 0; i < plan.segments.size(); i++) {
-      Napi::ArrayBuffer ab = plan.segments[i].Value().As<Napi::ArrayBuffer>();
-      segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.seqlocked[i]};
-    }
-    grants_.resize(plan.grants.size());
-    for (size_t i = 0; i < plan.grants.size(); i++) {
-      Napi::ArrayBuffer ab = plan.grants[i].Value().As<Napi::ArrayBuffer>();
-      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.tokens.data() + i * kTokenBytes, plan.grant_info[i].record, plan.grant_info[i].generation};
-    }
-    in.spans = plan.spans.data();
-    in.n_spans = plan.spans.size() / kSpanFields;
-    in.locals = locals_.data();
-    in.n_locals = locals_.size();
-    in.remotes = plan.remotes.data();
-    in.n_remotes = plan.remotes.size();
-    in.segments = segments_.data();
-    in.n_segments = segments_.size();
-    in.grants = grants_.data();
-    in.n_grants = grants_.size();
-    Napi::TypedArray gens_js = plan.generations.Value().As<Napi::TypedArray>();
-    if (gens_js.ElementLength() < segments_.size()) ThrowInvalid(env, "copyPlanned: generations must hold one value per segment");
-    uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
-    RunTables(env, in, ranges, static_cast<size_t>(count_d), static_cast<size_t>(stride_d), gens);
+    Napi::Float64Array ranges = TypedArg(info, "copyPlanned", 1, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    RunPlan(env, plan, ranges, ParseCall(info, "copyPlanned", {2, 3, 4, 5, 6}), "copyPlanned");
     return env.Undefined();
   }
 
