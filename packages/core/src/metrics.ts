@@ -63,18 +63,16 @@ export class PostTally {
   }
   /** One post's duration in seconds (every post, whatever its outcome). */
   observe(seconds: number): void {
+    if (this.direct) {
+      this.direct.duration.observe({ transport: this.transport, direction: this.direction }, seconds);
+      return;
+    }
     const b = this.bounds;
     let k = 0;
     while (k < b.length && seconds > (b[k] as number)) k++;
     this.counts[k] = (this.counts[k] as number) + 1;
     this.sum += seconds;
     this.observed++;
-    if (this.direct) {
-      this.observed = 0;
-      this.sum = 0;
-      this.counts[k] = 0;
-      this.direct.duration.observe({ transport: this.transport, direction: this.direction }, seconds);
-    }
   }
 }
 
