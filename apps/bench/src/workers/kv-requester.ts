@@ -138,7 +138,7 @@ function connectRaw(): Promise<net.Socket> {
 function hugePagesHeld(): string {
   try {
     const rollup = readFileSync('/proc/self/smaps_rollup', 'utf8');
-    const kb = (field: string): string => /^(\S+):\s+(\d+) kB/m.exec(rollup.split('\n').find((l) => l.startsWith(`${field}:`)) ?? '')?.[2] ?? '?';
+    const kb = (field: string): string => new RegExp(`^${field}:\\s+(\\d+) kB`, 'm').exec(rollup)?.[1] ?? '?';
     return `requester memory in huge pages once its buffers are filled: AnonHugePages ${kb('AnonHugePages')} kB (process heap, where the memcpy baseline copies from), ShmemPmdMapped ${kb('ShmemPmdMapped')} kB (shared segments), of ${kb('Rss')} kB resident`;
   } catch {
     return 'requester huge pages unknown (no /proc/self/smaps_rollup)';
