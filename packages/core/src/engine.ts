@@ -38,7 +38,7 @@ import {
   errorFromSignal,
   toTensorwireError,
 } from './errors.js';
-import { checkGrantRanges, rangeArray } from './grant-check.js';
+import { checkGrantRanges, RangePool } from './grant-check.js';
 import { IdAllocator, IdRegistry, assertOwner } from './ids.js';
 import { consoleLogger, type Logger } from './logger.js';
 import { EngineMetrics, type MetricsOptions, type PostTally } from './metrics.js';
@@ -331,8 +331,9 @@ export interface GrantRange {
 /**
  * What {@link TransferEngine.grant} takes: a list of ranges, or the same as typed arrays
  * (`ranges` holds `GRANT_STRIDE` numbers per range: index into `registrations`, offset,
- * length), which costs no object per range. The engine keeps a private copy of `ranges`;
- * with `transfer: true` it takes the array's ArrayBuffer instead (detached, as a transfer list
+ * length), which costs no object per range. The engine keeps a private copy of `ranges`,
+ * made before `grant()` returns its promise (so the caller may refill the same array for the
+ * next grant at once; the copies are pooled and reused after revocation); with `transfer: true` it takes the array's ArrayBuffer instead (detached, as a transfer list
  * of `postMessage` does: no copy however many ranges), when `ranges` spans a whole, non-shared
  * ArrayBuffer; otherwise it copies as usual. Do not use `ranges` after a call with `transfer`.
  */
@@ -358,6 +359,8 @@ export class Grant {
   readonly skipped: ReadonlyMap<string, string>;
   readonly #entries: ReadonlyMap<string, RegistrationEntry>;
   readonly #onRevoke: (g: Grant) => void;
+  /** Hands the engine's copy of the ranges back once no transport can use it. */
+  readonly #recycle: (() => void) | undefined;
   #revoked: Promise<void> | undefined;
 
   /** @internal */
@@ -370,6 +373,7 @@ export class Grant {
     entries: ReadonlyMap<string, RegistrationEntry>,
     skipped: ReadonlyMap<string, string>,
     onRevoke: (g: Grant) => void,
+    recycle?: () => void,
   ) {
     this.id = id;
     this.memoryKind = memoryKind;
@@ -379,6 +383,8 @@ export class Grant {
     this.#entries = entries;
     this.skipped = skipped;
     this.#onRevoke = onRevoke;
+    this.#recycle = recycle;
+    this.#recycle = recycle;
   }
   get revoked(): boolean {
     return this.#revoked !== undefined;
@@ -389,7 +395,11 @@ export class Grant {
   revoke(): Promise<void> {
     if (this.#revoked) return this.#revoked;
     this.#onRevoke(this);
-    this.#revoked = revokeGrantEntries(this.#entries.values()).then(() => undefined);
+    const recycle = this.#recycle;
+    this.#revoked = revokeGrantEntries(this.#entries.values()).then((settled) => {
+      // Every transport let go of the range table (a failed revoke may not have): it can be reused.
+      if (recycle !== undefined && settled.every((r) => r.status === 'fulfilled')) recycle();
+    });
     return this.#revoked;
   }
   [Symbol.asyncDispose](): Promise<void> {
@@ -745,6 +755,8 @@ export class TransferEngine {
   readonly #transports = new Map<string, Transport>();
   /** Live range grants, and the grants over each registration (revoked with it). */
   readonly #grants = new Set<Grant>();
+  /** Free copies of grants' range tables, reused by later grants (grant-check.ts). */
+  readonly #rangePool = new RangePool();
   readonly #grantsOf = new Map<Registration, Set<Grant>>();
   readonly #logger: Logger;
   readonly #table = new Map<string, PeerConnection>();
@@ -898,21 +910,42 @@ export class TransferEngine {
    */
   async grant(spec: GrantSpec, options: { transports?: readonly string[] } = {}): Promise<Grant> {
     this.#assertOpen();
-    await this.start();
+    // The shape and the engine's private copy first, before anything awaits: the caller may
+    // reuse its arrays as soon as grant() has returned its promise.
     const { regs, ranges: source, count, owned } = normalizeGrantSpec(spec, this.maxGrantRanges);
-    let kind: MemoryKind | undefined;
-    for (let k = 0; k < regs.length; k++) {
-      const reg = regs[k] as Registration;
-      if (reg.revoked || this.#registrations.get(reg.id) !== reg) {
-        throw new InvalidInputError(`registrations[${k}] (${reg.id}) is revoked or not registered with this engine`, { details: { field: 'registration', registration: k } });
-      }
-      if (kind !== undefined && reg.memoryKind !== kind) throw new InvalidInputError('a grant covers memory of one kind', { details: { field: 'registration', registration: k } });
-      kind = reg.memoryKind;
+    const n = count * GRANT_STRIDE;
+    const copy = owned ? undefined : this.#rangePool.take(n);
+    const ranges = copy === undefined ? source : copy.view;
+    if (copy !== undefined) ranges.set(source.length === n ? source : source.subarray(0, n));
+    // Back to the pool unless a transport has seen it (then only once every transport let go: Grant.revoke).
+    const unused = (): void => {
+      if (copy?.backing !== undefined) this.#rangePool.give(copy.backing);
+    };
+    try {
+      await this.start();
+    } catch (e) {
+      unused();
+      throw e;
     }
-    const ranges = owned ? source : rangeArray(count * GRANT_STRIDE);
-    const limits = new Float64Array(regs.length);
-    for (let k = 0; k < regs.length; k++) limits[k] = (regs[k] as Registration).byteLength;
-    const { bytes, runs } = checkGrantRanges(source, ranges, count, limits);
+    let kind: MemoryKind | undefined;
+    let bytes: number;
+    let runs: number[];
+    try {
+      for (let k = 0; k < regs.length; k++) {
+        const reg = regs[k] as Registration;
+        if (reg.revoked || this.#registrations.get(reg.id) !== reg) {
+          throw new InvalidInputError(`registrations[${k}] (${reg.id}) is revoked or not registered with this engine`, { details: { field: 'registration', registration: k } });
+        }
+        if (kind !== undefined && reg.memoryKind !== kind) throw new InvalidInputError('a grant covers memory of one kind', { details: { field: 'registration', registration: k } });
+        kind = reg.memoryKind;
+      }
+      const limits = new Float64Array(regs.length);
+      for (let k = 0; k < regs.length; k++) limits[k] = (regs[k] as Registration).byteLength;
+      ({ bytes, runs } = checkGrantRanges(ranges, ranges, count, limits));
+    } catch (e) {
+      unused();
+      throw e;
+    }
     const wanted = options.transports ?? [...this.#transports.keys()];
     const entries = new Map<string, RegistrationEntry>();
     const skipped = new Map<string, string>();
@@ -983,10 +1016,12 @@ export class TransferEngine {
       await undo();
       throw e;
     }
+    const pool = this.#rangePool;
+    const backing = copy?.backing;
     const g = new Grant(id, kind as MemoryKind, bytes, count, descriptor, entries, skipped, (x) => {
       this.#grants.delete(x);
       for (const reg of regs) this.#grantsOf.get(reg)?.delete(x);
-    });
+    }, backing === undefined ? undefined : () => pool.give(backing));
     this.#grants.add(g);
     for (const reg of regs) {
       let set = this.#grantsOf.get(reg);
@@ -1079,6 +1114,7 @@ export class TransferEngine {
     await Promise.allSettled([...this.#grants].map((g) => g.revoke()));
     await Promise.allSettled([...this.#registrations.values()].map((r) => r.revoke()));
     await Promise.allSettled([...this.#transports.values()].map((t) => t.close()));
+    this.#rangePool.clear();
     // What the posts tallied goes into the metrics now; a post still finishing is recorded at once.
     this.metrics?.detach();
   }

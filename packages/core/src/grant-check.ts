@@ -35,6 +35,61 @@ export function rangeArray(n: number): Float64Array {
   return new Float64Array(n);
 }
 
+/** Range copies of at least this many numbers come from a {@link RangePool}; smaller ones are plain arrays. */
+export const POOLED_MIN_NUMBERS = 1024;
+
+/** A range copy: the view the grant uses (exactly the numbers asked for) and its pooled backing, if any. */
+export interface PooledRanges {
+  readonly view: Float64Array;
+  readonly backing: Float64Array | undefined;
+}
+
+/**
+ * The engine's free range copies, by power-of-two capacity, so a holder granting lease after
+ * lease reuses warm memory instead of allocating (and page-faulting, then garbage-collecting)
+ * a new array per grant: at 10,000 ranges that was a third of a grant's time. A copy goes back
+ * only when every transport's revokeGrant resolved (none of them may touch it after). Bounded:
+ * `perClass` arrays per capacity and `maxBytes` in all; beyond that, copies are left to the GC.
+ */
+export class RangePool {
+  readonly #free = new Map<number, Float64Array[]>();
+  readonly #perClass: number;
+  readonly #maxBytes: number;
+  #bytes = 0;
+  constructor(options: { perClass?: number; maxBytes?: number } = {}) {
+    this.#perClass = options.perClass ?? 16;
+    this.#maxBytes = options.maxBytes ?? 16 * 1024 * 1024;
+  }
+  /** Bytes held free now. */
+  get bytes(): number {
+    return this.#bytes;
+  }
+  /** A copy of `n` numbers (contents unspecified: the caller overwrites all `n`). */
+  take(n: number): PooledRanges {
+    if (n < POOLED_MIN_NUMBERS) return { view: rangeArray(n), backing: undefined };
+    const cap = 2 ** Math.ceil(Math.log2(n));
+    const backing = this.#free.get(cap)?.pop();
+    if (backing !== undefined) this.#bytes -= backing.byteLength;
+    const b = backing ?? rangeArray(cap);
+    return { view: n === cap ? b : b.subarray(0, n), backing: b };
+  }
+  /** Hand a backing from {@link take} back, once nothing uses it. */
+  give(backing: Float64Array): void {
+    const cap = backing.length;
+    if (this.#bytes + backing.byteLength > this.#maxBytes) return;
+    let list = this.#free.get(cap);
+    if (!list) this.#free.set(cap, (list = []));
+    if (list.length >= this.#perClass) return;
+    list.push(backing);
+    this.#bytes += backing.byteLength;
+  }
+  /** Drop every free copy. */
+  clear(): void {
+    this.#free.clear();
+    this.#bytes = 0;
+  }
+}
+
 function shapeError(i: number, r: number, off: number, len: number): InvalidInputError {
   return new InvalidInputError(`ranges[${i}] (${String(off)}+${String(len)} of registration ${String(r)}) is empty or outside its registration`, {
     details: { field: 'ranges', range: i },

@@ -284,7 +284,10 @@ export const GrantField = {
 /**
  * The ranges of a range grant ({@link Transport.grant}), validated by the engine: every
  * range lies inside its registration, has at least one byte, and no two ranges overlap.
- * Range `k` is `ranges[k * GRANT_STRIDE + GrantField.X]`; peers name it by `k`.
+ * Range `k` is `ranges[k * GRANT_STRIDE + GrantField.X]`; peers name it by `k`. `ranges` is
+ * the engine's private copy: a transport may keep it (by reference) while the grant lives,
+ * and must not read it after its {@link Transport.revokeGrant} has resolved: the engine then
+ * reuses that memory for a later grant's ranges.
  */
 export interface GrantRanges {
   /** Registration handles this transport returned from {@link Transport.register}. */

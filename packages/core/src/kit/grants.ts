@@ -14,7 +14,7 @@
  *   grace is aborted ({@link GrantUser.abortForRevoke}), which quiesces it.
  * - Handles belong to one table: a handle of another transport instance is refused.
  */
-import { randomBytes } from 'node:crypto';
+import { randomFillSync } from 'node:crypto';
 import { toHex } from '../codec.js';
 import { deferred, type Deferred } from '../deferred.js';
 import { ClosedError, InvalidInputError } from '../errors.js';
@@ -49,6 +49,22 @@ function copyBytes(b: Uint8Array): Uint8Array {
   return Uint8Array.prototype.slice.call(b);
 }
 
+/** Random bytes for tokens, drawn in 4 KiB refills (one getrandom call per 256 tokens, not one per grant). */
+const tokenPool = new Uint8Array(4096);
+let tokenAt = tokenPool.length;
+
+/** A fresh 128-bit token; its bytes are wiped from the pool as they are handed out. */
+function freshToken(): Uint8Array {
+  if (tokenAt + TOKEN_BYTES > tokenPool.length) {
+    randomFillSync(tokenPool);
+    tokenAt = 0;
+  }
+  const t = tokenPool.slice(tokenAt, tokenAt + TOKEN_BYTES);
+  tokenPool.fill(0, tokenAt, tokenAt + TOKEN_BYTES);
+  tokenAt += TOKEN_BYTES;
+  return t;
+}
+
 const REFUSED_UNKNOWN: RangeRefusal = { code: GrantRefusalCode.Unknown, message: 'no registration or grant has this token', range: NO_RANGE };
 
 /**
@@ -72,7 +88,7 @@ export abstract class GrantEntry {
   #idle: Deferred<void> | undefined;
   constructor(table: GrantTable, count: number, ranges: Float64Array, buffers: readonly Buffer[]) {
     this.table = table;
-    this.token = randomBytes(TOKEN_BYTES);
+    this.token = freshToken();
     this.key = toHex(this.token);
     this.count = count;
     this.ranges = ranges;

@@ -79,6 +79,13 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   let revoked = 0;
   let failed = 0;
 
+  // One scratch array for every lease's ranges (grown as needed), instead of one per lease.
+  let scratch = new Float64Array(0);
+  const scratchFor = (n: number): Float64Array => {
+    if (scratch.length < n) scratch = new Float64Array(2 ** Math.ceil(Math.log2(n)));
+    return scratch.length === n ? scratch : scratch.subarray(0, n);
+  };
+
   const revokeGrant = (sessionId: string, grant: Grant): void => {
     revoked++;
     const p = grant.revoke().catch((e: unknown) => logger.warn('lock: revoking a lease grant failed', { sessionId, error: e instanceof Error ? e.message : String(e) }));
@@ -104,7 +111,7 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       // One typed array for the whole lease: no object per block past the lookup.
       const registrations: Registration[] = [];
       const index = new Map<Registration, number>();
-      const ranges = new Float64Array(blockIds.length * GRANT_STRIDE);
+      const ranges = scratchFor(blockIds.length * GRANT_STRIDE);
       // What the pins looked up, when the lease is the table's and these are its blocks.
       const values = blockIds === lease.blockIds ? lease.pinValues : undefined;
       for (let i = 0; i < blockIds.length; i++) {
@@ -121,8 +128,9 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
         ranges[at + 1] = offset;
         ranges[at + 2] = r.length ?? r.registration.byteLength - offset;
       }
-      // The array is this lease's alone: the engine may take it instead of copying it.
-      grant = await engine.grant({ registrations, ranges, transfer: true }, options.transports ? { transports: options.transports } : {});
+      // The engine copies the ranges (into a copy it reuses after revocation) before grant()
+      // returns: the scratch array is free for the next lease at once.
+      grant = await engine.grant({ registrations, ranges }, options.transports ? { transports: options.transports } : {});
     } catch (e) {
       failed++;
       slots.delete(sessionId);
