@@ -15,6 +15,7 @@ import { SCHEMA_VERSION } from './schema.js';
 import { SCENARIOS, type ScenarioName } from './scenarios/index.js';
 import { runScenario, runSettings } from './scenarios/run.js';
 import { kvScenario, kvSettings } from './scenarios/kv.js';
+import { poolDevice, poolScenario } from './scenarios/pool.js';
 import { locksBurst } from './scenarios/locks.js';
 import { TRANSPORT_CHOICES, type TransportChoice } from './transports.js';
 import { startHolder } from './holder.js';
@@ -278,9 +279,14 @@ export function program(): Command {
       const rounds = whole(o.rounds, '--rounds');
       return execute('locks', [burst ? (ctx) => locksBurst(ctx, { burst, ...(rounds ? { rounds } : {}), ...(o.against ? { against: o.against } : {}) }) : SCENARIOS.locks], o);
     });
+  withGlobals(p.command('pool').description('shared-memory pool: producer writes vs memcpy, consumer pass over a view vs local memory; --device cuda:N: device slots by CUDA IPC'))
+    .option('--device <device>', 'slot device: cpu (host shared memory) or cuda:N (device memory exported by IPC handle)', 'cpu')
+    .action((o: GlobalOptions & { device: string }) => {
+      const device = poolDevice(o.device);
+      return execute('pool', [(ctx) => poolScenario(ctx, { device })], o);
+    });
   for (const [name, description] of [
     ['tcp', 'TCP transport READ vs a raw node:net stream, block-size sweep'],
-    ['pool', 'shared-memory pool: producer writes vs memcpy, consumer pass over a view vs local memory'],
     ['rdma', 'RDMA READ/WRITE with 1, 2, 4 QPs vs perftest (needs an RDMA device)'],
   ] as const) {
     withGlobals(p.command(name).description(description)).action((opts: GlobalOptions) => execute(name, [SCENARIOS[name as ScenarioName]], opts));

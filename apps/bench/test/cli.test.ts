@@ -56,6 +56,21 @@ describe('tensorwire-bench CLI', () => {
     else expect(res.measurements.length).toBeGreaterThan(0);
   });
 
+  it('pool --device cuda:0 reports why it cannot run here, or runs and checks every copy where a GPU exists', async () => {
+    const r = await runCli(['pool', '--device', 'cuda:0', '--quick', '--json']);
+    expect(r.code, r.stderr).toBe(0);
+    const out = JSON.parse(r.stdout) as { results: { skipped?: string; measurements: { name: string }[]; verificationFailures: number }[] };
+    expect(validateOutput(out)).toBeUndefined();
+    const res = out.results[0]!;
+    if (res.skipped !== undefined) {
+      console.log(`pool --device cuda:0 skipped: ${res.skipped}`);
+      expect(res.skipped).toMatch(/^cuda:0: .*(CUDA|libcuda|device)/);
+    } else {
+      expect(res.verificationFailures).toBe(0);
+      expect(res.measurements.map((m) => m.name)).toContain('imported d2d');
+    }
+  });
+
   it('writes a self-contained HTML report', async () => {
     const { mkdtempSync, readFileSync } = await import('node:fs');
     const { tmpdir } = await import('node:os');
@@ -79,6 +94,7 @@ describe('tensorwire-bench CLI', () => {
     ['`run` before an unknown command', ['run', 'frob'], /unknown command|too many arguments/],
     ['an unknown transport', ['run', '--transport', 'carrier-pigeon'], /carrier-pigeon.*(invalid|Allowed choices)/],
     ['a kv batch that is not a number', ['kv', '--batches', '64,lots'], /--batches "lots" must be a positive whole number/],
+    ['a pool device that is neither cpu nor cuda:N', ['pool', '--device', 'gpu0'], /--device "gpu0" must be cpu or cuda:N/],
   ] as const) {
     it(`${label}: one-line error, non-zero exit, no stack trace, no orphans`, async () => {
       const r = await runCli([...args]);

@@ -272,6 +272,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("cudaImport", &Addon::CudaImport),
         InstanceMethod("cudaCloseImport", &Addon::CudaCloseImport),
         InstanceMethod("cudaCopy", &Addon::CudaCopy),
+        InstanceMethod("cudaCopyRanges", &Addon::CudaCopyRanges),
         InstanceMethod("cudaHostRegister", &Addon::CudaHostRegister),
         InstanceMethod("cudaHostUnregister", &Addon::CudaHostUnregister),
     });
@@ -1070,6 +1071,34 @@ class Addon : public Napi::Addon<Addon> {
       ThrowInvalid(env, "copy op must be h2d, d2h or d2d");
     }
     return Queue(w);
+  }
+
+  // cudaCopyRanges(device, table, count): `count` device-to-device copies, table a Float64Array
+  // of (dst address, src address, length) triples, issued in order on the device's stream with
+  // one sync at the end. Every number must be a whole number in [0, 2^53) and every length
+  // positive, checked before anything is issued; the table is copied, so the caller may reuse it.
+  Napi::Value CudaCopyRanges(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    int device = DeviceArg(info, 0);
+    if (info.Length() < 3 || !info[1].IsTypedArray() || info[1].As<Napi::TypedArray>().TypedArrayType() != napi_float64_array) {
+      ThrowInvalid(env, "table must be a Float64Array");
+    }
+    Napi::Float64Array table = info[1].As<Napi::Float64Array>();
+    uint64_t count = U64Arg(info, 2);
+    if (count == 0 || count > table.ElementLength() / 3) ThrowInvalid(env, "count must be between 1 and the table's triples");
+    const double* t = table.Data();
+    auto triples = std::make_shared<std::vector<uint64_t>>(static_cast<size_t>(count) * 3);
+    constexpr double kMax = 9007199254740992.0;  // 2^53
+    for (size_t i = 0; i < triples->size(); i++) {
+      double v = t[i];
+      if (!(v >= 0 && v < kMax) || v != static_cast<double>(static_cast<uint64_t>(v))) {
+        ThrowInvalid(env, "range " + std::to_string(i / 3) + ": not a whole number in [0, 2^53)");
+      }
+      if (i % 3 == 2 && v == 0) ThrowInvalid(env, "range " + std::to_string(i / 3) + ": empty");
+      (*triples)[i] = static_cast<uint64_t>(v);
+    }
+    auto drv = cuda_;
+    return Queue(new CudaWorker(env, [drv, device, triples] { return drv->CopyDtoDRanges(device, *triples); }, nullptr));
   }
 
   Napi::Value CudaHostRegister(const Napi::CallbackInfo& info) {

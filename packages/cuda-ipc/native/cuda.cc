@@ -232,6 +232,16 @@ CudaStatus CudaDriver::CopyDtoD(int device, CUdeviceptr dst, CUdeviceptr src, si
   return CopyOnStream(device, "cuMemcpyDtoDAsync", [&](CUstream st) { return cuMemcpyDtoDAsync_(dst, src, n, st); });
 }
 
+CudaStatus CudaDriver::CopyDtoDRanges(int device, const std::vector<uint64_t>& t) {
+  return CopyOnStream(device, "cuMemcpyDtoDAsync", [&](CUstream st) {
+    for (size_t i = 0; i + 2 < t.size(); i += 3) {
+      CUresult r = cuMemcpyDtoDAsync_(static_cast<CUdeviceptr>(t[i]), static_cast<CUdeviceptr>(t[i + 1]), static_cast<size_t>(t[i + 2]), st);
+      if (r != CUDA_SUCCESS) return r;
+    }
+    return CUDA_SUCCESS;
+  });
+}
+
 CudaStatus CudaDriver::HostRegister(void* p, size_t n) {
   CudaStatus s = MakeCurrent(0, nullptr);
   if (!s.ok()) return s;

@@ -6,6 +6,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace tw {
 
@@ -62,6 +63,9 @@ class CudaDriver {
   CudaStatus CopyHtoD(int device, CUdeviceptr dst, const void* src, size_t n);
   CudaStatus CopyDtoH(int device, void* dst, CUdeviceptr src, size_t n);
   CudaStatus CopyDtoD(int device, CUdeviceptr dst, CUdeviceptr src, size_t n);
+  // Many device-to-device copies (dst, src, length triples) issued on the device's stream in
+  // order, then one stream sync. Stops issuing at the first failed issue; reports it first.
+  CudaStatus CopyDtoDRanges(int device, const std::vector<uint64_t>& triples);
   CudaStatus HostRegister(void* p, size_t n);
   CudaStatus HostUnregister(void* p);
 

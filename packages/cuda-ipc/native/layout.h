@@ -90,6 +90,8 @@ constexpr size_t grant_offset = ext + 24;      // u64 offset in the target segme
 constexpr size_t grant_length = ext + 32;      // u64
 constexpr size_t grant_name_len = ext + 40;    // u8
 constexpr size_t grant_name = ext + 41;        // up to 200 bytes: host data segment name
+// ext + 248: u32 flags; ext + 256: u64 owner's device pointer (CUDA); ext + 264: 16-byte owner
+// process id (CUDA): read and written by the TypeScript side only.
 // grant table ext
 constexpr size_t table_records = ext + 0;      // u32 records
 constexpr size_t table_dir = ext + 4;          // u32 directory entries

@@ -224,6 +224,12 @@ export interface NativeAddon {
   cudaCopy(op: 'h2d', device: number, dst: bigint, src: Uint8Array, length: number): Promise<void>;
   cudaCopy(op: 'd2h', device: number, dst: Uint8Array, src: bigint, length: number): Promise<void>;
   cudaCopy(op: 'd2d', device: number, dst: bigint, src: bigint, length: number): Promise<void>;
+  /**
+   * `count` device-to-device copies on `device`'s stream in one call: `table` holds (dst
+   * address, src address, length) triples as whole numbers below 2^53 (the table is copied);
+   * one stream sync at the end. An addon built before this entry lacks it.
+   */
+  cudaCopyRanges(device: number, table: Float64Array, count: number): Promise<void>;
   cudaHostRegister(memory: Uint8Array): Promise<void>;
   cudaHostUnregister(memory: Uint8Array): Promise<void>;
 }
@@ -390,6 +396,7 @@ export const native: NativeAddon = {
   cudaImport: wrap('cudaImport'),
   cudaCloseImport: wrap('cudaCloseImport'),
   cudaCopy: wrap('cudaCopy'),
+  cudaCopyRanges: wrap('cudaCopyRanges'),
   cudaHostRegister: wrap('cudaHostRegister'),
   cudaHostUnregister: wrap('cudaHostUnregister'),
 };

@@ -123,6 +123,17 @@ const G_NAME_LEN = EXT + 40;
 const G_NAME = EXT + 41;
 /** u32 grant flags (after the 200-byte name); immutable once the grant is live. */
 const G_FLAGS = EXT + 248;
+/** u64: a CUDA grant's allocation base in its owner's address space. */
+const G_OWNER_POINTER = EXT + 256;
+/** 16 bytes: the owner process's {@link PROCESS_ID}. */
+const G_OWNER_PROCESS = EXT + 264;
+/**
+ * A random id of this process, one for every copy of this package loaded in it. A peer in the
+ * same process (two engines in one process) finds it in a CUDA grant and uses the owner's
+ * device pointer directly: CUDA refuses cuIpcOpenMemHandle on a handle exported by the same
+ * process.
+ */
+const PROCESS_ID: Uint8Array = ((globalThis as Record<symbol, unknown>)[Symbol.for('@tensorwire/cuda-ipc.process-id')] ??= new Uint8Array(randomBytes(16))) as Uint8Array;
 /**
  * The target is a seqlocked pool slot: peers may read it (under the slot's seqlock) but not
  * write it one-sided.
@@ -406,6 +417,8 @@ interface GrantTarget {
   readonly device: number;
   readonly ipcHandle: Uint8Array;
   readonly flags: number;
+  /** Set when the grant's owner is this process: its device pointer (allocation base), used instead of an import. */
+  readonly ownerPointer: bigint | undefined;
 }
 
 /**
@@ -426,6 +439,9 @@ const LAYOUT_PROBLEM =
 
 /** Whether the loaded addon keeps batch tables natively (planBatch; an older build does not), asked once, on the first host copy. */
 let plannedCopies: boolean | undefined;
+
+/** Whether the loaded addon has cudaCopyRanges (one call per device-to-device batch), asked once. */
+let cudaRanges: boolean | undefined;
 
 /** Numbers per remote in {@link HostPlan.remotes}: grant index, first span, span count. */
 const REMOTE_STRIDE = 3;
@@ -614,6 +630,8 @@ class CudaIpcConnection implements TransportConnection {
   readonly #resolved = new WeakMap<RemoteGrant, ResolvedRemote>();
   /** Per decoded range grant: its record and range table on this connection. */
   readonly #rangesResolved = new WeakMap<RemoteRangeGrant, ResolvedRanges>();
+  /** Scratch (dst, src, length) table of {@link #deviceRanges}; the addon copies it per call. */
+  #cudaTable = new Float64Array(0);
   /** When the peer's pid was last confirmed to be the same process (Date.now()). */
   #aliveCheckedAt = 0;
   /** The Date.now() millisecond the pid was last probed alive. */
@@ -1145,6 +1163,8 @@ class CudaIpcConnection implements TransportConnection {
         }
         entered.push(g);
       }
+      if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
+      if (await this.#deviceRanges(batch, targets, bases)) return;
       const generations = new Map<string, bigint>();
       for (let i = 0; i < count; i++) {
         if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
@@ -1173,6 +1193,48 @@ class CudaIpcConnection implements TransportConnection {
     } finally {
       for (const g of entered) native.grantLeave(g.mapping);
     }
+  }
+
+  /**
+   * A batch whose every range is device memory on both sides, on one device: all its copies
+   * in one native call (one driver copy per range on the device's stream, one sync), instead
+   * of one awaited call per range. Returns false (nothing copied) where the batch does not
+   * qualify or the addon predates `cudaCopyRanges`; the caller then copies range by range.
+   */
+  async #deviceRanges(batch: TransferBatch, targets: readonly GrantTarget[], bases: readonly (ArrayBuffer | bigint)[]): Promise<boolean> {
+    cudaRanges ??= nativeHas('cudaCopyRanges');
+    if (!cudaRanges) return false;
+    let device = -1;
+    const localAt: number[] = [];
+    for (const h of batch.locals) {
+      if (!(h instanceof CudaHandle)) return false;
+      if (device === -1) device = h.device;
+      if (h.device !== device) return false;
+      localAt.push(Number(h.pointer));
+    }
+    const remoteAt: number[] = [];
+    for (let i = 0; i < targets.length; i++) {
+      const base = bases[i];
+      const g = targets[i] as GrantTarget;
+      if (typeof base !== 'bigint' || g.device !== device) return false;
+      remoteAt.push(Number(base + BigInt(g.offset)));
+    }
+    // Addresses travel as doubles: every one (and its end) must be exact.
+    for (const a of [...localAt, ...remoteAt]) if (!(a + batch.bytes < 2 ** 53)) return false;
+    const { op, ranges, count } = batch;
+    const need = count * 3;
+    if (this.#cudaTable.length < need) this.#cudaTable = new Float64Array(Math.max(need, this.#cudaTable.length * 2));
+    const table = this.#cudaTable;
+    for (let i = 0; i < count; i++) {
+      const at = i * RANGE_STRIDE;
+      const local = (localAt[ranges[at + RangeField.Local] as number] as number) + (ranges[at + RangeField.LocalOffset] as number);
+      const remote = (remoteAt[ranges[at + RangeField.Remote] as number] as number) + (ranges[at + RangeField.RemoteOffset] as number);
+      table[i * 3] = op === 'read' ? local : remote;
+      table[i * 3 + 1] = op === 'read' ? remote : local;
+      table[i * 3 + 2] = ranges[at + RangeField.Length] as number;
+    }
+    await native.cudaCopyRanges(device, table, count);
+    return true;
   }
 
   /** One range of {@link #executeRanges}; returns the slot generation when it read a pool slot. */
@@ -1244,7 +1306,9 @@ class CudaIpcConnection implements TransportConnection {
       throw new RemoteRejectedError(`grant ${remote.grantName} has no device`, { details: { remoteCode: 'bad-grant' } });
     }
     const flags = dv.getUint32(G_FLAGS, true);
-    const t: GrantTarget = { mapping, target: targetCode === 0 ? 'host' : 'cuda', offset, length, dataName, device: meta.device, ipcHandle: meta.ipcHandle, flags };
+    const sameProcess = targetCode === 1 && Buffer.compare(new Uint8Array(mapping, G_OWNER_PROCESS, PROCESS_ID.byteLength), PROCESS_ID) === 0;
+    const ownerPointer = sameProcess ? dv.getBigUint64(G_OWNER_POINTER, true) : undefined;
+    const t: GrantTarget = { mapping, target: targetCode === 0 ? 'host' : 'cuda', offset, length, dataName, device: meta.device, ipcHandle: meta.ipcHandle, flags, ownerPointer };
     this.#remember(this.#grants, remote.grantName, t);
     return t;
   }
@@ -1282,6 +1346,8 @@ class CudaIpcConnection implements TransportConnection {
   }
 
   async #importBase(name: string, g: GrantTarget): Promise<bigint> {
+    // The owner is this process: its own pointer (nothing imported, nothing to close).
+    if (g.ownerPointer !== undefined) return g.ownerPointer;
     let p = this.#imports.get(name);
     if (!p) {
       // Imports are closed only with the connection (a copy may be using one), so past the
@@ -1604,7 +1670,7 @@ export class CudaIpcTransport implements Transport {
         throw new InvalidInputError(`cuda range of ${memory.byteLength} bytes at offset ${exp.offset} exceeds its allocation of ${exp.allocSize} bytes`);
       }
       const token = new Uint8Array(randomBytes(TOKEN_BYTES));
-      const grant = this.#createGrant(id, 'cuda', exp.offset, memory.byteLength, undefined, token, memory.device, exp.handle, exp.offset, 0);
+      const grant = this.#createGrant(id, 'cuda', exp.offset, memory.byteLength, undefined, token, memory.device, exp.handle, exp.offset, 0, exp.base);
       return {
         handle: new CudaHandle(memory.device, memory.pointer, memory.byteLength, grant),
         payload: encodePayload('cuda', { name: grant.name, token }, memory.byteLength),
@@ -1624,6 +1690,7 @@ export class CudaIpcTransport implements Transport {
     ipcHandle: Uint8Array | undefined,
     ipcOffset: number,
     flags: number,
+    ownerPointer = 0n,
   ): Grant {
     const name = randomSegmentName('g', id.nodeId);
     const mapping = native.shmCreate(name, HEADER_SIZE, {
@@ -1647,6 +1714,10 @@ export class CudaIpcTransport implements Transport {
       new Uint8Array(mapping, G_NAME, nb.length).set(nb);
     }
     dv.setUint32(G_FLAGS, flags, true);
+    if (target === 'cuda') {
+      dv.setBigUint64(G_OWNER_POINTER, ownerPointer, true);
+      new Uint8Array(mapping, G_OWNER_PROCESS, PROCESS_ID.byteLength).set(PROCESS_ID);
+    }
     // Publish (seq_cst store): the ext written above is visible to anyone who sees it live.
     native.setState(mapping, SegmentState.Live);
     const grant = new Grant(name, mapping);

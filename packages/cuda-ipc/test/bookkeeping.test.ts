@@ -259,6 +259,18 @@ describe('grants over pool slots (defect 3, invariants 11 and 13)', () => {
   });
 });
 
+/** The grant segment behind a registration's cuda-ipc descriptor. */
+function grantOf(descriptor: Uint8Array, kind: 'host' | 'cuda', byteLength: number): string {
+  return decodePayload(decodeDescriptor(descriptor).transports.get('cuda-ipc') as Uint8Array, kind, byteLength).grantName;
+}
+/**
+ * Make a CUDA grant look issued by another process: overwrite the owner-process id the grant
+ * segment records (ext + 264, 16 bytes), so a peer in this process takes the import path.
+ */
+function asIfAnotherProcess(grantName: string): void {
+  new Uint8Array(native.shmOpen(grantName, 4096), 1024 + 264, 16).fill(0);
+}
+
 describe('bookkeeping (fake CUDA): transport imports and close (defects 4 and 5)', () => {
   it('concurrent chunks for one grant import its handle once, and close() closes it once', async () => {
     const imports: bigint[] = [];
@@ -278,11 +290,58 @@ describe('bookkeeping (fake CUDA): transport imports and close (defects 4 and 5)
     const holder = await engine(`ih${process.pid}`, { cuda: true });
     const peer = await engine(`ip${process.pid}`, { cuda: true, chunkBytes: 1024, streams: 4 });
     const remote = await holder.register({ kind: 'cuda', device: 0, pointer: 0x1000n, byteLength: 4096 });
+    asIfAnotherProcess(grantOf(remote.descriptor, 'cuda', 4096));
     const local = await peer.register({ kind: 'host', buffer: new Uint8Array(4096) });
     await peer.read(holder.endpoint(), [{ local, remote: remote.descriptor }]);
     expect(imports).toHaveLength(1);
     await peer.close();
     expect(closed).toEqual(imports);
+  });
+
+  it("a peer in the owner's own process uses the owner's device pointer: no import (CUDA refuses one within a process)", async () => {
+    const imports: bigint[] = [];
+    const copies: [string, bigint, number][] = [];
+    fake('cudaExport', async () => ({ handle: new Uint8Array(64).fill(5), base: 0x40000n, offset: 0x800, allocSize: 1 << 20 }));
+    fake('cudaImport', async () => {
+      imports.push(0n);
+      return 0x90000n;
+    });
+    fake('cudaCopy', (async (op: string, _d: number, dst: unknown, src: unknown, n: number) => {
+      copies.push([op, (op === 'd2h' ? src : dst) as bigint, n]);
+    }) as Native['cudaCopy']);
+    const holder = await engine(`sh${process.pid}`, { cuda: true });
+    const peer = await engine(`sp${process.pid}`, { cuda: true });
+    const remote = await holder.register({ kind: 'cuda', device: 0, pointer: 0x40800n, byteLength: 4096 });
+    const local = await peer.register({ kind: 'host', buffer: new Uint8Array(4096) });
+    await peer.read(holder.endpoint(), [{ local, remote: remote.descriptor, remoteOffset: 16, length: 64 }]);
+    expect(imports).toEqual([]);
+    expect(copies).toEqual([['d2h', 0x40800n + 16n, 64]]);
+  });
+
+  it('a batch of device memory on both sides is one cudaCopyRanges call: (dst, src, length) per range, in order', async () => {
+    const calls: [number, number[], number][] = [];
+    fake('cudaExport', async (_d, p) => ({ handle: new Uint8Array(64).fill(6), base: p, offset: 0, allocSize: 1 << 20 }));
+    fake('cudaCopy', (async () => {
+      throw new Error('a device-to-device batch must not copy range by range');
+    }) as Native['cudaCopy']);
+    fake('cudaCopyRanges', async (device, table, count) => {
+      calls.push([device, [...table.subarray(0, count * 3)], count]);
+    });
+    const holder = await engine(`dh${process.pid}`, { cuda: true });
+    const peer = await engine(`dp${process.pid}`, { cuda: true });
+    const remote = await holder.register({ kind: 'cuda', device: 0, pointer: 0x100000n, byteLength: 1 << 16 });
+    const local = await peer.register({ kind: 'cuda', device: 0, pointer: 0x200000n, byteLength: 1 << 16 });
+    const requests = [
+      { local, localOffset: 0, remote: remote.descriptor, remoteOffset: 8192, length: 100 },
+      { local, localOffset: 4096, remote: remote.descriptor, remoteOffset: 0, length: 50 },
+      { local, localOffset: 9000, remote: remote.descriptor, remoteOffset: 20000, length: 7 },
+    ];
+    await peer.read(holder.endpoint(), requests);
+    await peer.write(holder.endpoint(), requests);
+    expect(calls).toEqual([
+      [0, [0x200000, 0x100000 + 8192, 100, 0x200000 + 4096, 0x100000, 50, 0x200000 + 9000, 0x100000 + 20000, 7], 3],
+      [0, [0x100000 + 8192, 0x200000, 100, 0x100000, 0x200000 + 4096, 50, 0x100000 + 20000, 0x200000 + 9000, 7], 3],
+    ]);
   });
 
   it('close() waits for a peer copy in flight before unlinking the grant (like revoke)', async () => {

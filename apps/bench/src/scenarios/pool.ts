@@ -8,7 +8,7 @@
 import { capabilities } from '@tensorwire/cuda-ipc';
 import { spawnWorker, type Worker } from '../proc.js';
 import { gbps, summarize } from '../stats.js';
-import type { Measurement, Ratio, Scenario, ScenarioResult } from '../types.js';
+import { BenchError, type Measurement, type Ratio, type Scenario, type ScenarioContext, type ScenarioResult } from '../types.js';
 
 const MiB = 1024 * 1024;
 
@@ -19,8 +19,23 @@ async function ask(w: Worker, msg: Record<string, unknown>, reply: string, signa
   return m;
 }
 
-export const pool: Scenario = async (ctx) => {
+/** `cpu` (host slots, the default) or `cuda:N` (device slots exported by CUDA IPC handle). */
+export interface PoolSettings {
+  readonly device: 'cpu' | `cuda:${number}`;
+}
+
+/** Parse `--device`: `cpu` or `cuda:N`. */
+export function poolDevice(text: string | undefined): PoolSettings['device'] {
+  if (text === undefined || text === 'cpu') return 'cpu';
+  if (/^cuda:\d{1,4}$/.test(text)) return text as `cuda:${number}`;
+  throw new BenchError(`--device ${JSON.stringify(text)} must be cpu or cuda:N`);
+}
+
+export const pool: Scenario = (ctx) => poolScenario(ctx, { device: 'cpu' });
+
+export async function poolScenario(ctx: ScenarioContext, settings: PoolSettings): Promise<ScenarioResult> {
   const caps = capabilities();
+  if (settings.device !== 'cpu') return poolCuda(ctx, Number(settings.device.slice(5)));
   if (!caps.sharedMemory.available) {
     return { scenario: 'pool', skipped: caps.sharedMemory.reason ?? 'shared memory unavailable', measurements: [], ratios: [], verificationFailures: 0, notes: [] };
   }
@@ -133,4 +148,93 @@ export const pool: Scenario = async (ctx) => {
   }
   const result: ScenarioResult = { scenario: 'pool', measurements, ratios, verificationFailures, notes };
   return result;
-};
+}
+
+/**
+ * `pool --device cuda:N`: the producer registers a device slot and writes host bytes into it
+ * (against cuMemcpyHtoD from pinned memory); the consumer imports it by id (first import and
+ * cached reads timed) and copies out of the imported pointer device-to-device (against
+ * cuMemcpyDtoD between two local device buffers, goal ≥ 0.9) and device-to-host into pinned
+ * memory (against the same from a local device buffer). Every copy is checked by byte sum.
+ */
+async function poolCuda(ctx: ScenarioContext, device: number): Promise<ScenarioResult> {
+  const caps = capabilities();
+  const name = `cuda:${device}`;
+  if (!caps.cuda.available) return { scenario: 'pool', skipped: `${name}: ${caps.cuda.reason ?? 'CUDA unavailable'}`, measurements: [], ratios: [], verificationFailures: 0, notes: [] };
+  if (device >= caps.cuda.devices.length) {
+    return { scenario: 'pool', skipped: `${name} does not exist (devices: ${caps.cuda.devices.join(', ')})`, measurements: [], ratios: [], verificationFailures: 0, notes: [] };
+  }
+  const sizes = ctx.sizes ?? (ctx.quick ? [64 * 1024, 4 * MiB] : [4 * MiB, 16 * MiB, 64 * MiB, 256 * MiB]);
+  const measurements: Measurement[] = [];
+  const ratios: Ratio[] = [];
+  const notes = [
+    `device ${name}: ${caps.cuda.devices[device] ?? ''}`,
+    'every copy is one driver call (cuMemcpy*Async on the addon\'s stream, then a stream sync) issued from JS; GB/s from the median per-copy time over interleaved rounds (order rotates each round) after untimed warm-ups of each',
+    'pool write: pool.write() of pageable host bytes into the slot; baselines: cuMemcpyHtoD of the same bytes from pinned memory, and from the same pageable array, into a local device buffer',
+    'imported d2d: cuMemcpyDtoD out of the pointer imported from the producer (cuIpcOpenMemHandle) into a local buffer; baseline: the same copy between two local device buffers of this process',
+    'id → view: the first read imports the IPC handle; later reads hit the per-id import cache',
+  ];
+  let verificationFailures = 0;
+  const producer = spawnWorker('pool-producer');
+  const consumer = spawnWorker('pool-consumer');
+  try {
+    await producer.next((m) => m['op'] === 'started', ctx.signal);
+    await consumer.next((m) => m['op'] === 'started', ctx.signal);
+    for (const [i, size] of sizes.entries()) {
+      ctx.progress('pool', i, sizes.length);
+      const total = ctx.totalBytes ?? (ctx.quick ? 16 * MiB : 2 * 1024 * MiB);
+      const rounds = Math.max(ctx.quick ? 9 : 21, Math.min(200, Math.floor(total / size)));
+      const { id } = (await ask(producer, { op: 'setup', size, device: name }, 'ready', ctx.signal)) as { id: string };
+      const w = (await ask(producer, { op: 'measure-cuda', id, device, size, rounds }, 'measured', ctx.signal)) as {
+        poolMedianMs: number;
+        pinnedMedianMs: number;
+        pageableMedianMs: number;
+        firstWriteMs: number;
+        sum: number;
+        failures: number;
+      };
+      const c = (await ask(consumer, { op: 'consume-cuda', id, device, rounds, sum: w.sum }, 'consumed', ctx.signal)) as {
+        firstImportMs: number;
+        cachedLatencies: number[];
+        d2dImportMedianMs: number;
+        d2dLocalMedianMs: number;
+        d2hImportMedianMs: number;
+        d2hLocalMedianMs: number;
+        failures: number;
+      };
+      verificationFailures += w.failures + c.failures;
+      await ask(producer, { op: 'free', id }, 'freed', ctx.signal);
+      const g = (ms: number): number => gbps(size, ms);
+      const extra = { rounds, statistic: 'median' } as const;
+      measurements.push(
+        { name: 'pool write (h2d, pageable source)', role: 'subject', blockBytes: size, gbps: g(w.poolMedianMs), extra: { ...extra, firstWriteMs: w.firstWriteMs } },
+        { name: 'cuMemcpyHtoD from pinned', role: 'baseline', blockBytes: size, gbps: g(w.pinnedMedianMs), extra },
+        { name: 'cuMemcpyHtoD from pageable', role: 'baseline', blockBytes: size, gbps: g(w.pageableMedianMs), extra },
+        { name: 'imported d2d', role: 'subject', blockBytes: size, gbps: g(c.d2dImportMedianMs), extra },
+        { name: 'local cuMemcpyDtoD', role: 'baseline', blockBytes: size, gbps: g(c.d2dLocalMedianMs), extra },
+        { name: 'imported d2h to pinned', role: 'subject', blockBytes: size, gbps: g(c.d2hImportMedianMs), extra },
+        { name: 'local cuMemcpyDtoH to pinned', role: 'baseline', blockBytes: size, gbps: g(c.d2hLocalMedianMs), extra },
+        { name: 'id → view, first (imports)', role: 'subject', blockBytes: size, latency: summarize([c.firstImportMs]) },
+        { name: 'id → view, cached import', role: 'subject', blockBytes: size, latency: summarize(c.cachedLatencies) },
+      );
+      const d2d = c.d2dImportMedianMs > 0 ? c.d2dLocalMedianMs / c.d2dImportMedianMs : 0;
+      const cachedUs = summarize(c.cachedLatencies).p50Ms * 1000;
+      ratios.push(
+        { name: 'imported d2d / local d2d', subject: 'imported d2d', baseline: 'local cuMemcpyDtoD', blockBytes: size, value: d2d, goal: 0.9, pass: d2d >= 0.9 },
+        { name: 'pool write / h2d from pinned', subject: 'pool write (h2d, pageable source)', baseline: 'cuMemcpyHtoD from pinned', blockBytes: size, value: w.poolMedianMs > 0 ? w.pinnedMedianMs / w.poolMedianMs : 0 },
+        { name: 'imported d2h / local d2h (pinned)', subject: 'imported d2h to pinned', baseline: 'local cuMemcpyDtoH to pinned', blockBytes: size, value: c.d2hImportMedianMs > 0 ? c.d2hLocalMedianMs / c.d2hImportMedianMs : 0 },
+      );
+      ctx.log(
+        `pool ${name} ${size} B: write ${g(w.poolMedianMs).toFixed(2)} GB/s vs h2d pinned ${g(w.pinnedMedianMs).toFixed(2)}; imported d2d ${g(c.d2dImportMedianMs).toFixed(1)} vs local ${g(c.d2dLocalMedianMs).toFixed(1)} GB/s; ` +
+          `first import ${(c.firstImportMs * 1000).toFixed(0)} µs, cached p50 ${cachedUs.toFixed(1)} µs`,
+      );
+    }
+    ctx.progress('pool', sizes.length, sizes.length);
+    await ask(producer, { op: 'close' }, 'closed', ctx.signal);
+    await ask(consumer, { op: 'close' }, 'closed', ctx.signal);
+  } finally {
+    producer.kill();
+    consumer.kill();
+  }
+  return { scenario: 'pool', measurements, ratios, verificationFailures, notes };
+}

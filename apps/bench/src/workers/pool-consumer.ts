@@ -7,7 +7,7 @@
  * warm-up passes; every round does one pass over each, alternating which goes first; each
  * is summarised by its median pass time.
  */
-import { TensorPool } from '@tensorwire/cuda-ipc';
+import { TensorPool, allocateSharedMemory, native, releaseSharedMemory } from '@tensorwire/cuda-ipc';
 import { workerInit } from '../proc.js';
 import { median } from '../stats.js';
 
@@ -93,6 +93,8 @@ io.onMessage((m) => {
           firstPassMs: firstPassNs / 1e6,
           failures,
         });
+      } else if (m['op'] === 'consume-cuda') {
+        io.send({ op: 'consumed', ...(await consumeCuda(m['id'] as string, m['device'] as number, m['rounds'] as number, m['sum'] as number)) });
       } else if (m['op'] === 'close') {
         await pool.close();
         io.send({ op: 'closed' });
@@ -102,4 +104,80 @@ io.onMessage((m) => {
     }
   })();
 });
+/**
+ * A CUDA slot: id → view latency (the first read imports the IPC handle, later ones hit the
+ * per-id cache), then device-to-device copies out of the imported pointer into a local device
+ * buffer against cuMemcpyDtoD between two local device buffers holding the same bytes, and
+ * device-to-host copies into pinned memory from the imported pointer against the same from the
+ * local copy. Interleaved, order alternating, same warm-up, medians; every destination checked.
+ */
+async function consumeCuda(id: string, device: number, rounds: number, expected: number): Promise<Record<string, unknown>> {
+  let t = process.hrtime.bigint();
+  const first = await pool.read(id);
+  const firstImportMs = Number(process.hrtime.bigint() - t) / 1e6;
+  const size = first.byteLength;
+  const imported = first.devicePointer as bigint;
+  first.dispose();
+  const cached: number[] = [];
+  for (let i = 0; i < Math.max(rounds, 100); i++) {
+    t = process.hrtime.bigint();
+    const v = await pool.read(id);
+    cached.push(Number(process.hrtime.bigint() - t) / 1e6);
+    if (v.devicePointer !== imported) throw new Error('a cached read returned another device pointer');
+    v.dispose();
+  }
+  const view = await pool.read(id); // held while copying: the import stays
+  const a = await native.cudaAlloc(device, size);
+  const b = await native.cudaAlloc(device, size);
+  const pinned = allocateSharedMemory(size, `bench-pinned-${process.pid}`);
+  await native.cudaHostRegister(pinned);
+  let failures = 0;
+  try {
+    await native.cudaCopy('d2d', device, b, imported, size); // the local copy of the slot's bytes
+    const fromImport = (): Promise<void> => native.cudaCopy('d2d', device, a, imported, size);
+    const local = (): Promise<void> => native.cudaCopy('d2d', device, a, b, size);
+    const importToHost = (): Promise<void> => native.cudaCopy('d2h', device, pinned, imported, size);
+    const localToHost = (): Promise<void> => native.cudaCopy('d2h', device, pinned, b, size);
+    const timedPair = async (x: () => Promise<void>, y: () => Promise<void>): Promise<[number[], number[]]> => {
+      for (let i = 0; i < WARMUP_PASSES + 1; i++) {
+        await x();
+        await y();
+      }
+      const xs: number[] = [];
+      const ys: number[] = [];
+      for (let i = 0; i < rounds; i++) {
+        for (const [fn, out] of (i % 2 === 0 ? [[x, xs], [y, ys]] : [[y, ys], [x, xs]]) as [() => Promise<void>, number[]][]) {
+          t = process.hrtime.bigint();
+          await fn();
+          out.push(Number(process.hrtime.bigint() - t));
+        }
+      }
+      return [xs, ys];
+    };
+    const [d2dImport, d2dLocal] = await timedPair(fromImport, local);
+    const check = new Uint8Array(size);
+    await native.cudaCopy('d2h', device, check, a, size);
+    if (sum(check) !== expected) failures++;
+    const [d2hImport, d2hLocal] = await timedPair(importToHost, localToHost);
+    await importToHost();
+    if (sum(pinned) !== expected) failures++;
+    return {
+      firstImportMs,
+      cachedLatencies: cached,
+      d2dImportMedianMs: median(d2dImport) / 1e6,
+      d2dLocalMedianMs: median(d2dLocal) / 1e6,
+      d2hImportMedianMs: median(d2hImport) / 1e6,
+      d2hLocalMedianMs: median(d2hLocal) / 1e6,
+      failures,
+    };
+  } finally {
+    view.dispose();
+    await native.cudaHostUnregister(pinned).catch(() => undefined);
+    releaseSharedMemory(pinned);
+    await native.cudaFree(device, a).catch(() => undefined);
+    await native.cudaFree(device, b).catch(() => undefined);
+    await pool.free(id); // a consumer's free closes only its own import
+  }
+}
+
 io.send({ op: 'started' });

@@ -8,7 +8,7 @@
  * copy always runs right after the other; both get the same warm-up rounds (page faults,
  * JIT); and both are summarised the same way (median per-copy time over the rounds).
  */
-import { TensorPool } from '@tensorwire/cuda-ipc';
+import { TensorPool, allocateSharedMemory, native, releaseSharedMemory, type Device } from '@tensorwire/cuda-ipc';
 import { workerInit } from '../proc.js';
 import { median } from '../stats.js';
 
@@ -24,7 +24,8 @@ io.onMessage((m) => {
     try {
       if (m['op'] === 'setup') {
         const size = m['size'] as number;
-        const id = await pool.register({ dtype: 'uint8', byteLength: size });
+        const device = (m['device'] as Device | undefined) ?? 'cpu';
+        const id = await pool.register({ dtype: 'uint8', byteLength: size, device });
         io.send({ op: 'ready', id });
       } else if (m['op'] === 'measure') {
         const id = m['id'] as string;
@@ -84,6 +85,8 @@ io.onMessage((m) => {
           firstMemcpyMs: firstMemcpyNs / 1e6,
           sum,
         });
+      } else if (m['op'] === 'measure-cuda') {
+        io.send({ op: 'measured', ...(await measureCuda(m['id'] as string, m['device'] as number, m['size'] as number, m['rounds'] as number)) });
       } else if (m['op'] === 'free') {
         await pool.free(m['id'] as string);
         io.send({ op: 'freed' });
@@ -96,4 +99,78 @@ io.onMessage((m) => {
     }
   })();
 });
+/**
+ * A CUDA slot: `pool.write` of pageable host bytes (what a caller hands it) against
+ * cuMemcpyHtoD of the same bytes from pinned host memory into a process-local device buffer,
+ * and from the same pageable source (extra). Interleaved, order alternating, same warm-up,
+ * medians. The slot is read back (D2H) and compared once at the end.
+ */
+async function measureCuda(id: string, device: number, size: number, rounds: number): Promise<Record<string, number>> {
+  const src = new Uint8Array(size);
+  for (let i = 0; i < size; i++) src[i] = (i * 7 + 3) & 0xff;
+  const pinned = allocateSharedMemory(size, `bench-pinned-${process.pid}`);
+  pinned.set(src);
+  const local = await native.cudaAlloc(device, size);
+  await native.cudaHostRegister(pinned);
+  try {
+    const poolWrite = (): Promise<void> => pool.write(id, src);
+    const pinnedCopy = (): Promise<void> => native.cudaCopy('h2d', device, local, pinned, size);
+    const pageableCopy = (): Promise<void> => native.cudaCopy('h2d', device, local, src, size);
+    let t = process.hrtime.bigint();
+    await poolWrite();
+    const firstWriteNs = Number(process.hrtime.bigint() - t);
+    for (let i = 0; i < WARMUP_ROUNDS; i++) {
+      await poolWrite();
+      await pinnedCopy();
+      await pageableCopy();
+    }
+    const poolNs: number[] = [];
+    const pinnedNs: number[] = [];
+    const pageableNs: number[] = [];
+    const order = [
+      [poolWrite, poolNs],
+      [pinnedCopy, pinnedNs],
+      [pageableCopy, pageableNs],
+    ] as const;
+    for (let i = 0; i < rounds; i++) {
+      for (let k = 0; k < order.length; k++) {
+        const [fn, xs] = order[(i + k) % order.length] as (typeof order)[number];
+        t = process.hrtime.bigint();
+        await fn();
+        xs.push(Number(process.hrtime.bigint() - t));
+      }
+    }
+    const back = new Uint8Array(size);
+    await native.cudaCopy('d2h', device, back, await slotPointer(id), size);
+    let sum = 0;
+    let failures = 0;
+    for (let i = 0; i < size; i++) {
+      sum += src[i] as number;
+      if (back[i] !== src[i]) failures++;
+    }
+    return {
+      poolMedianMs: median(poolNs) / 1e6,
+      pinnedMedianMs: median(pinnedNs) / 1e6,
+      pageableMedianMs: median(pageableNs) / 1e6,
+      firstWriteMs: firstWriteNs / 1e6,
+      sum,
+      failures: failures > 0 ? 1 : 0,
+    };
+  } finally {
+    await native.cudaHostUnregister(pinned).catch(() => undefined);
+    await native.cudaFree(device, local).catch(() => undefined);
+    releaseSharedMemory(pinned);
+  }
+}
+
+/** The owner's own device pointer of a CUDA slot (an owner's read is not an import). */
+async function slotPointer(id: string): Promise<bigint> {
+  const view = await pool.read(id);
+  try {
+    return view.devicePointer as bigint;
+  } finally {
+    view.dispose();
+  }
+}
+
 io.send({ op: 'started' });
