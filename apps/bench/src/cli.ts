@@ -113,6 +113,12 @@ function whole(text: string | undefined, what: string): number | undefined {
   return v;
 }
 
+function wholeOrZero(text: string, what: string): number {
+  const v = Number(text);
+  if (text.trim() === '' || !Number.isSafeInteger(v) || v < 0) throw new BenchError(`${what} ${JSON.stringify(text)} must be 0 or a positive whole number`);
+  return v;
+}
+
 function transportOption(): Option {
   return new Option('--transport <name>', 'transports the requester registers: auto (cuda-ipc and tcp, the engine chooses), or only tcp or cuda-ipc').choices(TRANSPORT_CHOICES).default('auto');
 }
@@ -194,13 +200,15 @@ export function program(): Command {
     .option('--blocks <n>', 'blocks read from each layer (default 32, 8 with --quick)')
     .option('--batches <list>', 'descriptors per fetch for the batch sweep at 16 KiB (default 64,256,1024,4096)')
     .option('--rounds <n>', 'interleaved rounds; figures are medians (default 3, 1 with --quick)')
+    .option('--warmup-ms <ms>', 'untimed fetches per method and shape before the timed ones: at least 20, more until they took this long (default 300; 0, the --quick default, runs one)')
     .addOption(transportOption())
-    .action((opts: GlobalOptions & { layers?: string; blocks?: string; batches?: string; rounds?: string; transport: TransportChoice }) => {
+    .action((opts: GlobalOptions & { layers?: string; blocks?: string; batches?: string; rounds?: string; warmupMs?: string; transport: TransportChoice }) => {
       const layers = whole(opts.layers, '--layers');
       const blocks = whole(opts.blocks, '--blocks');
       const rounds = whole(opts.rounds, '--rounds');
       const batches = opts.batches?.split(',').map((b) => whole(b.trim(), '--batches') as number);
-      return execute('kv', [(ctx) => kvScenario(ctx, kvSettings(ctx, { transport: opts.transport, ...(layers ? { layers } : {}), ...(blocks ? { blocks } : {}), ...(rounds ? { rounds } : {}), ...(batches ? { batches } : {}) }))], opts);
+      const warmupMs = opts.warmupMs === undefined ? undefined : wholeOrZero(opts.warmupMs, '--warmup-ms');
+      return execute('kv', [(ctx) => kvScenario(ctx, kvSettings(ctx, { transport: opts.transport, ...(layers ? { layers } : {}), ...(blocks ? { blocks } : {}), ...(rounds ? { rounds } : {}), ...(batches ? { batches } : {}), ...(warmupMs !== undefined ? { warmupMs } : {}) }))], opts);
     });
   p.command('holder')
     .description('the holder half of `run`, in the foreground, for a requester on another machine (`fetch --holder`)')

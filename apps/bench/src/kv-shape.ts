@@ -136,6 +136,10 @@ export interface KvMethodResult {
   readonly descriptors: number;
   readonly latencies: number[];
   readonly failures: number;
+  /** The first, untimed call of the method in this measurement (before its warm-up). */
+  readonly firstMs: number;
+  /** Untimed calls before the timed ones (the first included). */
+  readonly warmupCalls: number;
   readonly transport?: string;
   readonly prepareMs?: number;
   /** Ranges of the prepared transfer after the engine merged adjacent requests. */

@@ -94,6 +94,7 @@ describe('tensorwire-bench CLI', () => {
     ['`run` before an unknown command', ['run', 'frob'], /unknown command|too many arguments/],
     ['an unknown transport', ['run', '--transport', 'carrier-pigeon'], /carrier-pigeon.*(invalid|Allowed choices)/],
     ['a kv batch that is not a number', ['kv', '--batches', '64,lots'], /--batches "lots" must be a positive whole number/],
+    ['a kv warm-up that is not a number', ['kv', '--warmup-ms', 'soon'], /--warmup-ms "soon" must be 0 or a positive whole number/],
     ['a pool device that is neither cpu nor cuda:N', ['pool', '--device', 'gpu0'], /--device "gpu0" must be cpu or cuda:N/],
   ] as const) {
     it(`${label}: one-line error, non-zero exit, no stack trace, no orphans`, async () => {

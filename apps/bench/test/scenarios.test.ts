@@ -87,6 +87,9 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
           expect(m.gbps).toBeGreaterThan(0);
           expect(m.descriptorsPerSec).toBeGreaterThan(0);
           expect(m.descriptors).toBeGreaterThan(0);
+          // --quick: no warm-up past the first call, which is reported as the cold cost.
+          expect(m.extra?.['warmupCalls']).toBe(1);
+          expect(m.extra?.['firstCallMs']).toBeGreaterThan(0);
         }
       }
     }
@@ -145,13 +148,14 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     }
   });
 
-  it('kv --transport tcp: only TCP rows', async () => {
-    const out = await quick('kv', ['--transport', 'tcp', '--batches', '32']);
+  it('kv --transport tcp: only TCP rows; --warmup-ms runs at least 20 untimed calls per measurement', async () => {
+    const out = await quick('kv', ['--transport', 'tcp', '--batches', '32', '--warmup-ms', '1']);
     const kv = out.results[0]!;
     expect(kv.verificationFailures).toBe(0);
     const engines = kv.measurements.filter((m) => m.role === 'subject' && m.descriptors !== undefined);
     expect(engines.length).toBeGreaterThan(0);
     expect(new Set(engines.map((m) => m.transport))).toEqual(new Set(['tcp']));
+    for (const m of kv.measurements.filter((x) => x.descriptors !== undefined)) expect(m.extra?.['warmupCalls'], m.name).toBeGreaterThanOrEqual(20);
     expect(kv.ratios.some((r) => r.name.startsWith('same-host'))).toBe(false);
   });
 

@@ -39,6 +39,8 @@ export interface KvSettings {
   readonly minFetches: number;
   /** Each measurement (one method, shape and round) runs timed fetches until they took at least this long (at most 1,000 fetches). */
   readonly minMs: number;
+  /** Untimed fetches before each measurement's timed ones: one if 0, else at least 20 and more until they took this long (at most 1,000). */
+  readonly warmupMs: number;
   readonly transport: TransportChoice;
   readonly compare: boolean;
 }
@@ -49,6 +51,8 @@ export interface KvOptions {
   /** Descriptors per fetch for the batch sweep (at 16 KiB). */
   batches?: readonly number[];
   rounds?: number;
+  /** Warm-up per measurement in ms (default 300, 0 with --quick): 0 keeps one untimed fetch. */
+  warmupMs?: number;
   transport?: TransportChoice;
 }
 
@@ -87,6 +91,7 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
     targetBytes: ctx.totalBytes ?? (ctx.quick ? 1 * MiB : 32 * MiB),
     minFetches: 2,
     minMs: ctx.quick ? 0 : 40,
+    warmupMs: o.warmupMs ?? (ctx.quick ? 0 : 300),
     transport: o.transport ?? 'auto',
     compare: ctx.compare === true,
   };
@@ -180,7 +185,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         const fetches = Math.min(1000, Math.max(s.minFetches, Math.ceil(s.targetBytes / bytesOf(c))));
         const order = (r + ci) % 2 === 0 ? methods : [...methods].reverse();
         const rid = ++id;
-        req.send({ type: 'measure', id: rid, shape: { blockBytes: c.blockBytes, layers: c.layers, blocks: c.blocks }, seed: SEED + 7919 * (r * s.configs.length + ci + 1), fetches, minMs: s.minMs, order });
+        req.send({ type: 'measure', id: rid, shape: { blockBytes: c.blockBytes, layers: c.layers, blocks: c.blocks }, seed: SEED + 7919 * (r * s.configs.length + ci + 1), fetches, minMs: s.minMs, warmupMs: s.warmupMs, order });
         const res = await req.next<{ type: string; results?: KvMethodResult[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
         if (res.type === 'error' || !res.results) throw new BenchError(`kv ${label(c)} failed: ${res.message ?? 'no result'}`);
         for (const x of res.results) {
@@ -232,7 +237,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           descriptorsPerSec: median(runs.map((x) => x.descriptors / (x.ms / 1000))),
           ...(m !== 'raw' && m !== 'memcpy' && m !== 'memcpy-shm' ? { transport } : {}),
           latency: summarize(runs.flatMap((x) => x.latencies)),
-          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}) },
+          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}) },
         });
       }
       for (const [lane, baseline, kind] of [
@@ -352,7 +357,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       ...ready.notes,
       ...hello.notes,
       'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
-      `each method, per shape and round: 1 untimed warm-up fetch, then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}) and, past those, more until the timed calls took ${s.minMs} ms (at most 1,000), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round; a ratio row is the median of its per-round ratios (subject and baseline of the same round; \`rounds\` in the JSON)`,
+      `each method, per shape and round: untimed warm-up fetches (${s.warmupMs > 0 ? `at least 20, more until they took ${s.warmupMs} ms, at most 1,000` : 'one'}; extra.firstCallMs is the very first call of the method, in round 1: the cold cost), then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}) and, past those, more until the timed calls took ${s.minMs} ms (at most 1,000), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round; a ratio row is the median of its per-round ratios (subject and baseline of the same round; \`rounds\` in the JSON)`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
       'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s ranges with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead',
       'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs, for two orders of the same kind of lease: sorted (stride 7919 blocks, in offset order) and unsorted (the order of a real lease\'s blocks: layer-major, the same random block ids in every layer, as the kv fetches; offsets rise only across layers); against engine.register of each 4 KiB block separately (what a lease cost before range grants). The flatness ratio with the goal (0.5 at 10,000) and the per-block comparison are computed from the sorted rows, as before; the unsorted rows have their own flatness ratio and a sorted/unsorted ratio, without goals',

@@ -5,9 +5,10 @@
  * pattern for verification, and a raw socket to the holder for the baseline.
  *
  * Each `measure` message names a fetch shape, a scatter seed and an order of methods; for
- * each method it runs one untimed warm-up fetch and then `fetches` timed fetches, one at a
- * time (more, up to 1,000, until they took `minMs`), and answers with the time spent inside
- * the fetch calls.
+ * each method it runs untimed warm-up fetches (one if `warmupMs` is 0, else at least 20 and
+ * more, up to 1,000, until they took `warmupMs`), then `fetches` timed fetches, one at a time (more, up to 1,000, until they
+ * took `minMs`), and answers with the time spent inside the timed calls and the time of the
+ * first warm-up call (what a fetch costs before the JIT and the caches are warm).
  *
  * A `reread` message (kv --compare) measures the ucx_perftest ucp_get shape instead: one block
  * re-read from one remote offset into offset 0 of the destination, one post at a time (see
@@ -51,6 +52,10 @@ const SAMPLES = 4;
 const MAX_FETCHES = 1000;
 /** Each measurement runs timed fetches until they took at least this long (the `measure` message sets it). */
 let minMs = 0;
+/** Untimed fetches before the timed ones add up to at least this long (the `measure` message sets it). */
+let warmupMs = 0;
+/** Fewest warm-up calls when warmupMs > 0. */
+const WARMUP_CALLS = 20;
 const ipc = workerInit();
 const cfg = JSON.parse(Buffer.from(process.argv[2] as string, 'base64').toString('utf8')) as Config;
 const endpoint = new Uint8Array(Buffer.from(cfg.endpoint, 'base64'));
@@ -195,7 +200,20 @@ async function timed(
 ): Promise<Omit<KvMethodResult, 'method'>> {
   const count = offsets.length;
   dest.fill(0, 0, count * s);
-  await once(); // warm-up, untimed
+  // Warm-up, untimed: one fetch, or (warmupMs > 0) at least WARMUP_CALLS and more until they
+  // took warmupMs. A long-running server fetches all day; a handful of calls measures V8's
+  // interpreter on the lease path (client.fetch of 1,024 × 64 KiB blocks: the first call took
+  // about 340 ms, the next ten 14 to 27 ms each, the ones after 50 about 6.6 ms).
+  let w0 = nowMs();
+  await once();
+  const firstMs = nowMs() - w0;
+  let warm = firstMs;
+  let warmupCalls = 1;
+  for (; warmupMs > 0 && (warm < warmupMs || warmupCalls < WARMUP_CALLS) && warmupCalls < MAX_FETCHES; warmupCalls++) {
+    w0 = nowMs();
+    await once();
+    warm += nowMs() - w0;
+  }
   const latencies: number[] = [];
   const sample = new Int32Array(Math.min(SAMPLES, count));
   let ms = 0;
@@ -221,7 +239,7 @@ async function timed(
     for (let j = 0; j < sample.length; j++) if (!sameBytes(sample[j] as number, offsets, s, reference)) failures++;
   }
   for (let i = 0; i < count; i++) if (!sameBytes(i, offsets, s, reference)) failures++;
-  return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, ...(transport !== undefined ? { transport } : {}) };
+  return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, firstMs, warmupCalls, ...(transport !== undefined ? { transport } : {}) };
 }
 
 /** Leased: the library's fetch flow per fetch: acquire + one range grant + one batched read + release. */
@@ -361,6 +379,7 @@ ipc.onMessage((m) => {
     }
     if (m['type'] !== 'measure') return;
     minMs = Number(m['minMs'] ?? 0);
+    warmupMs = Number(m['warmupMs'] ?? 0);
     const results = await measure(m['shape'] as KvShape, Number(m['seed']), Number(m['fetches']), m['order'] as KvMethod[]);
     ipc.send({ type: 'result', id: m['id'], results });
   };
