@@ -6,9 +6,10 @@
  *
  * Each `measure` message names a fetch shape, a scatter seed and an order of methods; for
  * each method it runs untimed warm-up fetches (one if `warmupMs` is 0, else at least 20 and
- * more, up to 1,000, until they took `warmupMs`), then `fetches` timed fetches, one at a time (more, up to 1,000, until they
- * took `minMs`), and answers with the time spent inside the timed calls and the time of the
- * first warm-up call (what a fetch costs before the JIT and the caches are warm).
+ * more, up to 1,000, until they took `warmupMs`), then `fetches` timed fetches, one at a
+ * time (more, up to 1,000, until they took `minMs`), and answers with the time spent inside
+ * the timed calls and the time of the first warm-up call (what a fetch costs before the JIT
+ * and the caches are warm).
  *
  * A `reread` message (kv --compare) measures the ucx_perftest ucp_get shape instead: one block
  * re-read from one remote offset into offset 0 of the destination, one post at a time (see
