@@ -29,3 +29,21 @@ export function median(xs: readonly number[]): number {
   if (n === 0) return 0;
   return n % 2 === 1 ? (s[(n - 1) / 2] as number) : ((s[n / 2 - 1] as number) + (s[n / 2] as number)) / 2;
 }
+
+/**
+ * Runs each op `warmups` times (in order), then `rounds` rounds of all of them, the order
+ * rotating by one each round so none always goes first; returns each op's per-call times in ns.
+ */
+export async function interleavedNs(ops: readonly (() => Promise<unknown>)[], rounds: number, warmups: number): Promise<number[][]> {
+  for (let i = 0; i < warmups; i++) for (const op of ops) await op();
+  const times = ops.map((): number[] => []);
+  for (let i = 0; i < rounds; i++) {
+    for (let k = 0; k < ops.length; k++) {
+      const j = (i + k) % ops.length;
+      const t = process.hrtime.bigint();
+      await (ops[j] as () => Promise<unknown>)();
+      (times[j] as number[]).push(Number(process.hrtime.bigint() - t));
+    }
+  }
+  return times;
+}

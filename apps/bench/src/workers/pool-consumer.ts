@@ -9,7 +9,7 @@
  */
 import { TensorPool, allocateSharedMemory, native, releaseSharedMemory } from '@tensorwire/cuda-ipc';
 import { workerInit } from '../proc.js';
-import { median } from '../stats.js';
+import { interleavedNs, median } from '../stats.js';
 
 const io = workerInit();
 const pool = new TensorPool({ owner: `bench-consumer-${process.pid}` });
@@ -138,22 +138,8 @@ async function consumeCuda(id: string, device: number, rounds: number, expected:
     const local = (): Promise<void> => native.cudaCopy('d2d', device, a, b, size);
     const importToHost = (): Promise<void> => native.cudaCopy('d2h', device, pinned, imported, size);
     const localToHost = (): Promise<void> => native.cudaCopy('d2h', device, pinned, b, size);
-    const timedPair = async (x: () => Promise<void>, y: () => Promise<void>): Promise<[number[], number[]]> => {
-      for (let i = 0; i < WARMUP_PASSES + 1; i++) {
-        await x();
-        await y();
-      }
-      const xs: number[] = [];
-      const ys: number[] = [];
-      for (let i = 0; i < rounds; i++) {
-        for (const [fn, out] of (i % 2 === 0 ? [[x, xs], [y, ys]] : [[y, ys], [x, xs]]) as [() => Promise<void>, number[]][]) {
-          t = process.hrtime.bigint();
-          await fn();
-          out.push(Number(process.hrtime.bigint() - t));
-        }
-      }
-      return [xs, ys];
-    };
+    // Alternating order (a rotation of two), the same warm-up for both.
+    const timedPair = async (x: () => Promise<void>, y: () => Promise<void>): Promise<[number[], number[]]> => (await interleavedNs([x, y], rounds, WARMUP_PASSES + 1)) as [number[], number[]];
     const [d2dImport, d2dLocal] = await timedPair(fromImport, local);
     const check = new Uint8Array(size);
     await native.cudaCopy('d2h', device, check, a, size);

@@ -10,7 +10,7 @@
  */
 import { TensorPool, allocateSharedMemory, native, releaseSharedMemory, type Device } from '@tensorwire/cuda-ipc';
 import { workerInit } from '../proc.js';
-import { median } from '../stats.js';
+import { interleavedNs, median } from '../stats.js';
 
 const io = workerInit();
 const pool = new TensorPool({ owner: `bench-producer-${process.pid}` });
@@ -116,30 +116,10 @@ async function measureCuda(id: string, device: number, size: number, rounds: num
     const poolWrite = (): Promise<void> => pool.write(id, src);
     const pinnedCopy = (): Promise<void> => native.cudaCopy('h2d', device, local, pinned, size);
     const pageableCopy = (): Promise<void> => native.cudaCopy('h2d', device, local, src, size);
-    let t = process.hrtime.bigint();
+    const t = process.hrtime.bigint();
     await poolWrite();
     const firstWriteNs = Number(process.hrtime.bigint() - t);
-    for (let i = 0; i < WARMUP_ROUNDS; i++) {
-      await poolWrite();
-      await pinnedCopy();
-      await pageableCopy();
-    }
-    const poolNs: number[] = [];
-    const pinnedNs: number[] = [];
-    const pageableNs: number[] = [];
-    const order = [
-      [poolWrite, poolNs],
-      [pinnedCopy, pinnedNs],
-      [pageableCopy, pageableNs],
-    ] as const;
-    for (let i = 0; i < rounds; i++) {
-      for (let k = 0; k < order.length; k++) {
-        const [fn, xs] = order[(i + k) % order.length] as (typeof order)[number];
-        t = process.hrtime.bigint();
-        await fn();
-        xs.push(Number(process.hrtime.bigint() - t));
-      }
-    }
+    const [poolNs, pinnedNs, pageableNs] = (await interleavedNs([poolWrite, pinnedCopy, pageableCopy], rounds, WARMUP_ROUNDS)) as [number[], number[], number[]];
     const back = new Uint8Array(size);
     await native.cudaCopy('d2h', device, back, await slotPointer(id), size);
     let sum = 0;
