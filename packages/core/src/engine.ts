@@ -38,7 +38,7 @@ import {
   errorFromSignal,
   toTensorwireError,
 } from './errors.js';
-import { checkGrantRanges, RangePool } from './grant-check.js';
+import { checkGrantBlocks, checkGrantRanges, expandGrantBlocks, RangePool } from './grant-check.js';
 import { IdAllocator, IdRegistry, assertOwner } from './ids.js';
 import { consoleLogger, type Logger } from './logger.js';
 import { EngineMetrics, type MetricsOptions, type PostTally } from './metrics.js';
@@ -50,6 +50,8 @@ import {
   RangeField,
   TRANSPORT_SPECIFICATION_VERSION,
   memoryByteLength,
+  type GrantBlocks,
+  type GrantRanges,
   type Memory,
   type MemoryKind,
   type NodeIdentity,
@@ -339,7 +341,27 @@ export interface GrantRange {
  */
 export type GrantSpec =
   | readonly GrantRange[]
-  | { readonly registrations: readonly Registration[]; readonly ranges: Float64Array; readonly transfer?: boolean };
+  | { readonly registrations: readonly Registration[]; readonly ranges: Float64Array; readonly transfer?: boolean }
+  | GrantBlocksSpec;
+
+/**
+ * A block grant: blocks of one size in one registration (a KV arena, a pool of equal slots),
+ * named by index. Range `k` of the grant is block `blocks[k]`, the bytes
+ * `[base + blocks[k] × blockBytes, + blockBytes)` of `registration`. Every block must fit the
+ * registration and none may be listed twice. Four bytes per range and no offset arithmetic to
+ * check: a grant over 10,000 blocks costs little more than one over 10. The engine keeps a
+ * private copy of `blocks` (or takes its ArrayBuffer with `transfer: true`, as for ranges).
+ */
+export interface GrantBlocksSpec {
+  readonly registration: Registration;
+  /** Bytes per block: a positive integer. */
+  readonly blockBytes: number;
+  /** Block indices, 1 to `maxGrantRanges` of them. */
+  readonly blocks: Uint32Array;
+  /** Where block 0 starts in the registration (default 0). */
+  readonly base?: number;
+  readonly transfer?: boolean;
+}
 
 /**
  * A range grant: one capability over ranges of registered memory. Its `descriptor` is one
@@ -430,6 +452,22 @@ class PeerConnection {
   }
 }
 
+/** What a grant's spec became before any await: its registrations and the engine's private copy. */
+interface GrantCopy {
+  readonly regs: readonly Registration[];
+  readonly count: number;
+  /** A range grant's ranges (GRANT_STRIDE numbers each). */
+  readonly ranges: Float64Array | undefined;
+  /** A block grant's blocks. */
+  readonly blocks: GrantBlocks | undefined;
+  /** The grant was not made: hand the copy back at once. */
+  readonly unused: () => void;
+  /** Hand the copy back once every transport let go of it (undefined: not pooled). */
+  readonly recycle: (() => void) | undefined;
+}
+
+function noop(): void {}
+
 /** A request list validated and decoded once: what every post of it needs. */
 interface Plan {
   readonly op: 'read' | 'write';
@@ -481,14 +519,43 @@ function withRequest(e: TensorwireError, i: number, prefix: string): TensorwireE
  * The caller's ranges, taken over (their ArrayBuffer detached from the caller's view), when
  * they span a whole ArrayBuffer that can be transferred; otherwise undefined (then copied).
  */
-function takeRanges(ranges: Float64Array): Float64Array | undefined {
+function takeRanges<T extends Float64Array | Uint32Array>(ranges: T): T | undefined {
   const ab = ranges.buffer;
   if (!(ab instanceof ArrayBuffer) || ranges.byteOffset !== 0 || ranges.byteLength !== ab.byteLength) return undefined;
   try {
-    return new Float64Array(structuredClone(ab, { transfer: [ab] }));
+    const taken = structuredClone(ab, { transfer: [ab] });
+    return (ranges instanceof Uint32Array ? new Uint32Array(taken) : new Float64Array(taken)) as T;
   } catch {
     return undefined; // not transferable (Node's Buffer pool, for one)
   }
+}
+
+/** A block grant spec checked for shape (the indices are checked by the engine, on its copy). */
+interface NormalizedBlocks {
+  readonly reg: Registration;
+  readonly blockBytes: number;
+  readonly base: number;
+  readonly blocks: Uint32Array;
+  readonly count: number;
+  /** `blocks` is the engine's already (taken over with `transfer`). */
+  readonly owned: boolean;
+}
+
+function isBlocksSpec(spec: GrantSpec): spec is GrantBlocksSpec {
+  return !Array.isArray(spec) && typeof spec === 'object' && spec !== null && 'blocks' in spec;
+}
+
+function normalizeBlocksSpec(spec: GrantBlocksSpec, max: number): NormalizedBlocks {
+  const { registration: reg, blockBytes, blocks } = spec;
+  const base = spec.base ?? 0;
+  if (!(reg instanceof Registration)) throw new InvalidInputError('a block grant needs registration: a Registration of this engine', { details: { field: 'registration' } });
+  if (!(blocks instanceof Uint32Array)) throw new InvalidInputError('a block grant needs blocks: a Uint32Array of block indices', { details: { field: 'blocks' } });
+  if (!Number.isSafeInteger(blockBytes) || blockBytes < 1) throw new InvalidInputError(`blockBytes must be a positive integer, got ${String(blockBytes)}`, { details: { field: 'blockBytes' } });
+  if (!Number.isSafeInteger(base) || base < 0) throw new InvalidInputError(`base must be an integer >= 0, got ${String(base)}`, { details: { field: 'base' } });
+  const count = blocks.length;
+  if (count === 0 || count > max) throw new InvalidInputError(`a grant covers 1 to ${max} ranges, got ${count}`, { details: { field: 'blocks' } });
+  const taken = spec.transfer === true ? takeRanges(blocks) : undefined;
+  return { reg, blockBytes, base, blocks: taken ?? blocks, count, owned: taken !== undefined };
 }
 
 /**
@@ -757,6 +824,8 @@ export class TransferEngine {
   readonly #grants = new Set<Grant>();
   /** Free copies of grants' range tables, reused by later grants (grant-check.ts). */
   readonly #rangePool = new RangePool();
+  /** Free copies of block grants' indices. */
+  readonly #blockPool = new RangePool<Uint32Array>({ make: (n) => new Uint32Array(n) });
   readonly #grantsOf = new Map<Registration, Set<Grant>>();
   readonly #logger: Logger;
   readonly #table = new Map<string, PeerConnection>();
@@ -912,19 +981,12 @@ export class TransferEngine {
     this.#assertOpen();
     // The shape and the engine's private copy first, before anything awaits: the caller may
     // reuse its arrays as soon as grant() has returned its promise.
-    const { regs, ranges: source, count, owned } = normalizeGrantSpec(spec, this.maxGrantRanges);
-    const n = count * GRANT_STRIDE;
-    const copy = owned ? undefined : this.#rangePool.take(n);
-    const ranges = copy === undefined ? source : copy.view;
-    if (copy !== undefined) ranges.set(source.length === n ? source : source.subarray(0, n));
-    // Back to the pool unless a transport has seen it (then only once every transport let go: Grant.revoke).
-    const unused = (): void => {
-      if (copy?.backing !== undefined) this.#rangePool.give(copy.backing);
-    };
+    const made = isBlocksSpec(spec) ? this.#copyBlocks(spec) : this.#copyRanges(spec);
+    const { regs, count } = made;
     try {
       await this.start();
     } catch (e) {
-      unused();
+      made.unused();
       throw e;
     }
     let kind: MemoryKind | undefined;
@@ -939,13 +1001,40 @@ export class TransferEngine {
         if (kind !== undefined && reg.memoryKind !== kind) throw new InvalidInputError('a grant covers memory of one kind', { details: { field: 'registration', registration: k } });
         kind = reg.memoryKind;
       }
-      const limits = new Float64Array(regs.length);
-      for (let k = 0; k < regs.length; k++) limits[k] = (regs[k] as Registration).byteLength;
-      ({ bytes, runs } = checkGrantRanges(ranges, ranges, count, limits));
+      if (made.blocks !== undefined) {
+        const { blockBytes, base } = made.blocks;
+        const length = (regs[0] as Registration).byteLength;
+        const nBlocks = base < length ? Math.floor((length - base) / blockBytes) : 0;
+        if (nBlocks === 0) throw new InvalidInputError(`no block of ${blockBytes} bytes fits the registration (${length} bytes) from base ${base}`, { details: { field: 'blockBytes' } });
+        checkGrantBlocks(made.blocks.indices, count, nBlocks);
+        bytes = count * blockBytes;
+        runs = [blockBytes, count];
+      } else {
+        const limits = new Float64Array(regs.length);
+        for (let k = 0; k < regs.length; k++) limits[k] = (regs[k] as Registration).byteLength;
+        const ranges = made.ranges as Float64Array;
+        ({ bytes, runs } = checkGrantRanges(ranges, ranges, count, limits));
+      }
     } catch (e) {
-      unused();
+      made.unused();
       throw e;
     }
+    // What each transport gets. For a block grant the ranges are built from the blocks only if
+    // a transport that does not handle blocks reads them (once, then shared by the others).
+    const blocks = made.blocks;
+    let expanded: Float64Array | undefined;
+    const transportSpec = (handles: object[]): GrantRanges => {
+      if (blocks === undefined) return Object.freeze({ handles, count, ranges: made.ranges as Float64Array, bytes });
+      return Object.freeze({
+        handles,
+        count,
+        bytes,
+        blocks,
+        get ranges(): Float64Array {
+          return (expanded ??= expandGrantBlocks(blocks.indices, count, blocks.base, blocks.blockBytes));
+        },
+      });
+    };
     const wanted = options.transports ?? [...this.#transports.keys()];
     const entries = new Map<string, RegistrationEntry>();
     const skipped = new Map<string, string>();
@@ -968,7 +1057,7 @@ export class TransferEngine {
       }
       if (why === undefined) {
         try {
-          const g = await (t.grant as NonNullable<Transport['grant']>).call(t, Object.freeze({ handles, count, ranges, bytes }));
+          const g = await (t.grant as NonNullable<Transport['grant']>).call(t, transportSpec(handles));
           if (!(g.payload instanceof Uint8Array) || typeof g.handle !== 'object' || g.handle === null) throw new InvalidInputError(`transport ${name} returned a malformed grant`);
           entries.set(name, { transport: t, handle: g.handle, payload: g.payload });
           continue;
@@ -1016,12 +1105,10 @@ export class TransferEngine {
       await undo();
       throw e;
     }
-    const pool = this.#rangePool;
-    const backing = copy?.backing;
     const g = new Grant(id, kind as MemoryKind, bytes, count, descriptor, entries, skipped, (x) => {
       this.#grants.delete(x);
       for (const reg of regs) this.#grantsOf.get(reg)?.delete(x);
-    }, backing === undefined ? undefined : () => pool.give(backing));
+    }, made.recycle);
     this.#grants.add(g);
     for (const reg of regs) {
       let set = this.#grantsOf.get(reg);
@@ -1029,6 +1116,30 @@ export class TransferEngine {
       set.add(g);
     }
     return g;
+  }
+
+  /** A range grant's registrations and the engine's copy of its ranges (pooled unless built or taken). */
+  #copyRanges(spec: GrantSpec): GrantCopy {
+    const { regs, ranges: source, count, owned } = normalizeGrantSpec(spec, this.maxGrantRanges);
+    const n = count * GRANT_STRIDE;
+    const pool = this.#rangePool;
+    const copy = owned ? undefined : pool.take(n);
+    if (copy !== undefined) copy.view.set(source.length === n ? source : source.subarray(0, n));
+    const backing = copy?.backing;
+    const give = backing === undefined ? undefined : (): void => pool.give(backing);
+    return { regs, count, ranges: copy === undefined ? source : copy.view, blocks: undefined, unused: give ?? noop, recycle: give };
+  }
+
+  /** A block grant's registration and the engine's copy of its block indices (pooled unless taken). */
+  #copyBlocks(spec: GrantBlocksSpec): GrantCopy {
+    const b = normalizeBlocksSpec(spec, this.maxGrantRanges);
+    const pool = this.#blockPool;
+    const copy = b.owned ? undefined : pool.take(b.count);
+    if (copy !== undefined) copy.view.set(b.blocks.length === b.count ? b.blocks : b.blocks.subarray(0, b.count));
+    const backing = copy?.backing;
+    const give = backing === undefined ? undefined : (): void => pool.give(backing);
+    const indices = copy === undefined ? b.blocks : copy.view;
+    return { regs: [b.reg], count: b.count, ranges: undefined, blocks: { base: b.base, blockBytes: b.blockBytes, indices }, unused: give ?? noop, recycle: give };
   }
 
   #validateMemory(memory: Memory): void {
@@ -1115,6 +1226,7 @@ export class TransferEngine {
     await Promise.allSettled([...this.#registrations.values()].map((r) => r.revoke()));
     await Promise.allSettled([...this.#transports.values()].map((t) => t.close()));
     this.#rangePool.clear();
+    this.#blockPool.clear();
     // What the posts tallied goes into the metrics now; a post still finishing is recorded at once.
     this.metrics?.detach();
   }

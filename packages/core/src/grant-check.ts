@@ -39,9 +39,9 @@ export function rangeArray(n: number): Float64Array {
 export const POOLED_MIN_NUMBERS = 1024;
 
 /** A range copy: the view the grant uses (exactly the numbers asked for) and its pooled backing, if any. */
-export interface PooledRanges {
-  readonly view: Float64Array;
-  readonly backing: Float64Array | undefined;
+export interface PooledRanges<T extends Float64Array | Uint32Array = Float64Array> {
+  readonly view: T;
+  readonly backing: T | undefined;
 }
 
 /**
@@ -50,31 +50,35 @@ export interface PooledRanges {
  * a new array per grant: at 10,000 ranges that was a third of a grant's time. A copy goes back
  * only when every transport's revokeGrant resolved (none of them may touch it after). Bounded:
  * `perClass` arrays per capacity and `maxBytes` in all; beyond that, copies are left to the GC.
+ * One pool holds one element type: Float64Array range tables by default, or (with `make`) the
+ * Uint32Array block indices of block grants.
  */
-export class RangePool {
-  readonly #free = new Map<number, Float64Array[]>();
+export class RangePool<T extends Float64Array | Uint32Array = Float64Array> {
+  readonly #free = new Map<number, T[]>();
   readonly #perClass: number;
   readonly #maxBytes: number;
+  readonly #make: (n: number) => T;
   #bytes = 0;
-  constructor(options: { perClass?: number; maxBytes?: number } = {}) {
+  constructor(options: { perClass?: number; maxBytes?: number; make?: (n: number) => T } = {}) {
     this.#perClass = options.perClass ?? 16;
     this.#maxBytes = options.maxBytes ?? 16 * 1024 * 1024;
+    this.#make = options.make ?? (rangeArray as unknown as (n: number) => T);
   }
   /** Bytes held free now. */
   get bytes(): number {
     return this.#bytes;
   }
   /** A copy of `n` numbers (contents unspecified: the caller overwrites all `n`). */
-  take(n: number): PooledRanges {
-    if (n < POOLED_MIN_NUMBERS) return { view: rangeArray(n), backing: undefined };
+  take(n: number): PooledRanges<T> {
+    if (n < POOLED_MIN_NUMBERS) return { view: this.#make(n), backing: undefined };
     const cap = 2 ** Math.ceil(Math.log2(n));
     const backing = this.#free.get(cap)?.pop();
     if (backing !== undefined) this.#bytes -= backing.byteLength;
-    const b = backing ?? rangeArray(cap);
-    return { view: n === cap ? b : b.subarray(0, n), backing: b };
+    const b = backing ?? this.#make(cap);
+    return { view: n === cap ? b : (b.subarray(0, n) as T), backing: b };
   }
   /** Hand a backing from {@link take} back, once nothing uses it. */
-  give(backing: Float64Array): void {
+  give(backing: T): void {
     const cap = backing.length;
     if (this.#bytes + backing.byteLength > this.#maxBytes) return;
     let list = this.#free.get(cap);
@@ -383,4 +387,117 @@ export function findGrantOverlap(ranges: Float64Array, count: number): [number, 
     }
   }
   return best;
+}
+
+// --- block grants ------------------------------------------------------------------------
+
+/** From `from`, block indices in strictly increasing order after `prev` (then distinct). */
+function increasingRun(blocks: Uint32Array, from: number, to: number, prev: number): number {
+  let i = from;
+  for (; i < to; i++) {
+    const b = blocks[i] as number;
+    if (!(b > prev)) break;
+    prev = b;
+  }
+  return i;
+}
+
+/** From `from`, block indices below `limit`. */
+function belowRun(blocks: Uint32Array, from: number, to: number, limit: number): number {
+  let i = from;
+  for (; i < to; i++) if (!((blocks[i] as number) < limit)) break;
+  return i;
+}
+
+/** From `from`, block indices not yet marked in `seen` (each marked as it passes). */
+function unseenRun(blocks: Uint32Array, from: number, to: number, seen: Uint32Array): number {
+  let i = from;
+  for (; i < to; i++) {
+    const b = blocks[i] as number;
+    const w = b >>> 5;
+    const bit = 1 << (b & 31);
+    const was = seen[w] as number;
+    if ((was & bit) !== 0) break;
+    seen[w] = was | bit;
+  }
+  return i;
+}
+
+function blockBoundsError(blocks: Uint32Array, i: number, nBlocks: number): InvalidInputError {
+  return new InvalidInputError(`blocks[${i}] (block ${String(blocks[i])}) is outside the registration, which holds blocks 0 to ${nBlocks - 1}`, {
+    details: { field: 'blocks', range: i },
+  });
+}
+
+/** The lowest index whose block appeared earlier, with that earlier index (the error path). */
+function findRepeatedBlock(blocks: Uint32Array, count: number): [number, number] {
+  const first = new Map<number, number>();
+  for (let i = 0; i < count; i++) {
+    const b = blocks[i] as number;
+    const at = first.get(b);
+    if (at !== undefined) return [i, at];
+    first.set(b, i);
+  }
+  throw new Error('findRepeatedBlock: no block repeats'); // unreachable: called after a repeat was seen
+}
+
+/**
+ * Check the block indices of a block grant: `count` indices of `blocks` (the engine's private
+ * copy), each below `nBlocks` (the blocks that fit the registration), none twice (two ranges of
+ * one block would overlap). Nothing is allocated per block. In increasing order (a lease's
+ * blocks sorted, the common case) that is one compare per block and one bound at the end;
+ * otherwise a bounds pass, then a bitmap over block indices (or, over a huge, sparsely granted
+ * registration, a sorted copy). Throws InvalidInputError naming the lowest bad index
+ * (`details.range`), field `blocks`.
+ */
+export function checkGrantBlocks(blocks: Uint32Array, count: number, nBlocks: number): void {
+  let i = 0;
+  let prev = -1;
+  while (i < count) {
+    const to = Math.min(count, i + CHUNK);
+    const j = increasingRun(blocks, i, to, prev);
+    if (j > i) prev = blocks[j - 1] as number;
+    i = j;
+    if (i < to) break;
+  }
+  if (prev >= nBlocks) throw blockBoundsError(blocks, belowRun(blocks, 0, count, nBlocks), nBlocks);
+  if (i === count) return;
+  // Out of order from `i`: every index against the bound, then repeats.
+  for (let k = i; k < count; ) {
+    const to = Math.min(count, k + CHUNK);
+    k = belowRun(blocks, k, to, nBlocks);
+    if (k < to) throw blockBoundsError(blocks, k, nBlocks);
+  }
+  let repeated = false;
+  const words = Math.ceil(nBlocks / 32);
+  if (words <= gridBitmapWords(count)) {
+    const seen = new Uint32Array(words);
+    for (let k = 0; k < count && !repeated; ) {
+      const to = Math.min(count, k + CHUNK);
+      k = unseenRun(blocks, k, to, seen);
+      repeated = k < to;
+    }
+  } else {
+    const sorted = blocks.slice(0, count).sort();
+    repeated = increasingRun(sorted, 0, count, -1) < count;
+  }
+  if (repeated) {
+    const [later, earlier] = findRepeatedBlock(blocks, count);
+    throw new InvalidInputError(`blocks[${later}] repeats blocks[${earlier}] (block ${String(blocks[later])}): its ranges would overlap`, {
+      details: { field: 'blocks', range: later },
+    });
+  }
+}
+
+/**
+ * The ranges of a block grant as GRANT_STRIDE numbers each (registration 0), for transports
+ * that do not handle {@link GrantRanges.blocks} themselves.
+ */
+export function expandGrantBlocks(blocks: Uint32Array, count: number, base: number, blockBytes: number): Float64Array {
+  const out = new Float64Array(count * GRANT_STRIDE);
+  for (let k = 0, at = 0; k < count; k++, at += GRANT_STRIDE) {
+    out[at + GrantField.Offset] = base + (blocks[k] as number) * blockBytes;
+    out[at + GrantField.Length] = blockBytes;
+  }
+  return out;
 }

@@ -293,9 +293,32 @@ export interface GrantRanges {
   /** Registration handles this transport returned from {@link Transport.register}. */
   readonly handles: readonly object[];
   readonly count: number;
+  /**
+   * The ranges as GRANT_STRIDE numbers each. For a block grant ({@link GrantRanges.blocks}
+   * set) this is built from the blocks on first read, O(count), and is not the engine's pooled
+   * copy: a transport that handles `blocks` itself should not read it.
+   */
   readonly ranges: Float64Array;
   /** Sum of the range lengths. */
   readonly bytes: number;
+  /**
+   * Set for a grant over blocks of one size in one registration (`handles` has one entry):
+   * range `k` is `[base + indices[k] × blockBytes, + blockBytes)` of it. The engine checked
+   * every index (inside the registration, none twice); `indices` is its private copy, under the
+   * same rules as `ranges`. Four bytes per range instead of GRANT_STRIDE numbers, and nothing
+   * to check per range: what lets a grant cost about the same for 10 blocks as for 10,000.
+   */
+  readonly blocks?: GrantBlocks;
+}
+
+/** The blocks of a block grant ({@link GrantRanges.blocks}). */
+export interface GrantBlocks {
+  /** Where block 0 starts in the registration. */
+  readonly base: number;
+  /** Bytes of every block, at least 1. */
+  readonly blockBytes: number;
+  /** Block index of each range (`count` of them; range `k` is block `indices[k]`). */
+  readonly indices: Uint32Array;
 }
 
 /** One range as an object, for {@link createTransferBatch}. */

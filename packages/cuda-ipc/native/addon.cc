@@ -317,6 +317,7 @@ class Addon : public Napi::Addon<Addon> {
     table.Set("recordToken", Napi::Number::New(env, static_cast<double>(rec::token)));
     table.Set("recordArenaOffset", Napi::Number::New(env, static_cast<double>(rec::arena_offset)));
     table.Set("recordCount", Napi::Number::New(env, static_cast<double>(rec::count)));
+    table.Set("recordForm", Napi::Number::New(env, static_cast<double>(rec::form)));
     table.Set("maxRecords", Napi::Number::New(env, static_cast<double>(kMaxTableRecords)));
     table.Set("maxDir", Napi::Number::New(env, static_cast<double>(kMaxTableDir)));
     table.Set("maxArena", Napi::Number::New(env, static_cast<double>(kMaxTableArena)));

@@ -41,6 +41,7 @@
 //    16 16 token                  16  1 name length             16  8 length
 //    32  8 arena offset           17 200 segment name
 //    40  4 range count
+//    44  4 form (0 ranges, 1 blocks: one range entry, then u32 block indices)
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -107,7 +108,13 @@ constexpr size_t generation = 8;    // u64 (atomic): changes whenever the record
 constexpr size_t token = 16;        // 16 bytes, zeroed on revoke
 constexpr size_t arena_offset = 32; // u64: the range table, from the start of the arena
 constexpr size_t count = 40;        // u32: ranges
+constexpr size_t form = 44;         // u32: kFormRanges or kFormBlocks (how the arena table reads)
 }  // namespace rec
+// How a record's table in the arena reads. Ranges: `count` range entries. Blocks (a block grant:
+// blocks of one size in one segment, named by index): one range entry (directory index, offset
+// of block 0 in the segment mapping, block bytes) then `count` u32 block indices; range k is
+// block indices[k], at offset + indices[k] * block bytes.
+enum RecordForm : uint32_t { kFormRanges = 0, kFormBlocks = 1 };
 enum RecordState : uint32_t { kRecordFree = 0, kRecordLive = 1, kRecordRevoked = 2 };
 constexpr size_t kDirEntryBytes = 256;
 constexpr size_t kRangeEntryBytes = 24;

@@ -27,6 +27,13 @@ export const TOKEN_BYTES = 16;
 const R_TOKEN = 16;
 const R_ARENA = 32;
 const R_COUNT = 40;
+const R_FORM = 44;
+/** Record forms (native/layout.h RecordForm): how the record's table in the arena reads. */
+export const RecordForm = { Ranges: 0, Blocks: 1 } as const;
+/** Arena bytes of a block grant's table: one range entry (segment, block 0, block bytes), then a u32 per block, 8-aligned. */
+export function blockTableBytes(count: number): number {
+  return RANGE_BYTES + Math.ceil((count * 4) / 8) * 8;
+}
 // Directory entry fields.
 const D_STATE = 0;
 const D_FLAGS = 4;
@@ -61,6 +68,7 @@ function checkLayout(): void {
     t['recordToken'] !== R_TOKEN ||
     t['recordArenaOffset'] !== R_ARENA ||
     t['recordCount'] !== R_COUNT ||
+    t['recordForm'] !== R_FORM ||
     t['maxRecords'] !== MAX_RECORDS ||
     t['maxDir'] !== MAX_DIR ||
     t['maxArena'] !== MAX_ARENA
@@ -355,13 +363,36 @@ export class GrantTable {
     this.#freeRecords.push(index);
   }
 
-  /** Write record `index`'s token, range table location and count (before publishing it). */
-  writeRecord(index: number, token: Uint8Array, arenaOffset: number, count: number): void {
+  /** Write record `index`'s token, range table location, count and form (before publishing it). */
+  writeRecord(index: number, token: Uint8Array, arenaOffset: number, count: number, form: number = RecordForm.Ranges): void {
     const at = this.recordOffset(index);
     this.u8.set(token, at + R_TOKEN);
     this.u32[(at + R_ARENA) / 4] = arenaOffset % TWO32;
     this.u32[(at + R_ARENA) / 4 + 1] = Math.floor(arenaOffset / TWO32);
     this.u32[(at + R_COUNT) / 4] = count;
+    this.u32[(at + R_FORM) / 4] = form;
+  }
+
+  /**
+   * Write a block grant's table at `arenaOffset` ({@link blockTableBytes}(count) bytes): the
+   * segment's directory index, where block 0 lies in the segment mapping, the block size, then
+   * the block indices (one copy of the engine's checked array: nothing per block here). Only
+   * before the record is published. Returns the bytes of all ranges.
+   */
+  writeBlocks(arenaOffset: number, dir: number, base: number, blockBytes: number, indices: Uint32Array, count: number): number {
+    if (!(Number.isSafeInteger(arenaOffset) && arenaOffset % 8 === 0 && arenaOffset >= 0 && arenaOffset + blockTableBytes(count) <= this.geometry.arena && indices.length >= count)) {
+      throw new InvalidInputError(`cuda-ipc grant table ${this.name}: block table of ${count} blocks does not fit at ${arenaOffset}`, { details: { field: 'blocks' } });
+    }
+    const w = (this.arenaAt + arenaOffset) / 4;
+    const u32 = this.u32;
+    u32[w] = dir;
+    u32[w + 1] = 0;
+    u32[w + 2] = base % TWO32;
+    u32[w + 3] = Math.floor(base / TWO32);
+    u32[w + 4] = blockBytes % TWO32;
+    u32[w + 5] = Math.floor(blockBytes / TWO32);
+    u32.set(indices.length === count ? indices : indices.subarray(0, count), w + RANGE_BYTES / 4);
+    return count * blockBytes;
   }
 
   /**
@@ -506,6 +537,9 @@ export function readRangeTable(
   try {
     const count = t.u32[(off + R_COUNT) / 4] as number;
     const arenaOffset = u64(t.u32, off + R_ARENA);
+    const form = t.u32[(off + R_FORM) / 4] as number;
+    if (form === RecordForm.Blocks) return readBlockTable(t, record, count, arenaOffset, expectCount, expectBytes, mapSegment);
+    if (form !== RecordForm.Ranges) throw rejected(`grant ${t.name}#${record}: unknown table form ${form}`, 'bad-grant');
     if (count === 0 || count !== expectCount || !(arenaOffset % 8 === 0) || arenaOffset + count * RANGE_BYTES > t.geometry.arena) {
       throw rejected(`grant ${t.name}#${record}: its range table (${count} ranges at ${arenaOffset}) does not match the payload (${expectCount} ranges) or the arena`, 'bad-grant');
     }
@@ -529,15 +563,9 @@ export function readRangeTable(
       const length = lh >= 2 ** 21 ? Number.NaN : lh * TWO32 + (u32[w + 4] as number);
       let s = dir === lastDir ? lastSeg : segOfDir.get(dir);
       if (s === undefined) {
-        if (dir >= t.geometry.dir) throw rejected(`grant ${t.name}#${record}: range ${k} names directory entry ${dir} of ${t.geometry.dir}`, 'bad-grant');
-        const d = t.dirAt + dir * DIR_BYTES;
-        const nameLen = t.u8[d + D_NAME_LEN] as number;
-        const name = Buffer.from(t.mapping, d + D_NAME, Math.min(nameLen, MAX_NAME)).toString('latin1');
-        if (t.u32[(d + D_STATE) / 4] !== 1 || segmentNameProblem(name) !== undefined || !name.startsWith('/tw-p.')) {
-          throw rejected(`grant ${t.name}#${record}: range ${k} names an invalid data segment`, 'bad-grant');
-        }
-        const mapping = mapSegment(name);
-        s = segments.push({ name, seqlocked: ((t.u32[(d + D_FLAGS) / 4] as number) & DIR_SEQLOCKED) !== 0 }) - 1;
+        const seg = dirSegment(t, record, k, dir);
+        const mapping = mapSegment(seg.name);
+        s = segments.push(seg) - 1;
         mappings.push(mapping);
         segOfDir.set(dir, s);
       }
@@ -562,6 +590,78 @@ export function readRangeTable(
   } finally {
     native.recordLeave(t.mapping, off);
   }
+}
+
+/** The data segment directory entry `dir` of `t` names (for range `k` of grant `record`), validated. */
+function dirSegment(t: TableView, record: number, k: number, dir: number): DirSegment {
+  if (dir >= t.geometry.dir) throw rejected(`grant ${t.name}#${record}: range ${k} names directory entry ${dir} of ${t.geometry.dir}`, 'bad-grant');
+  const d = t.dirAt + dir * DIR_BYTES;
+  const nameLen = t.u8[d + D_NAME_LEN] as number;
+  const name = Buffer.from(t.mapping, d + D_NAME, Math.min(nameLen, MAX_NAME)).toString('latin1');
+  if (t.u32[(d + D_STATE) / 4] !== 1 || segmentNameProblem(name) !== undefined || !name.startsWith('/tw-p.')) {
+    throw rejected(`grant ${t.name}#${record}: range ${k} names an invalid data segment`, 'bad-grant');
+  }
+  return { name, seqlocked: ((t.u32[(d + D_FLAGS) / 4] as number) & DIR_SEQLOCKED) !== 0 };
+}
+
+/**
+ * From `from`, the spans of a block table (segment 0, block `indices[k]` at `base + indices[k] ×
+ * blockBytes`), each index read once and bounded by `limit` (the blocks that fit the mapping)
+ * before it is used; returns where it stopped.
+ */
+function blockSpans(u32: Uint32Array, w: number, from: number, to: number, base: number, blockBytes: number, limit: number, spans: Float64Array): number {
+  let k = from;
+  for (let at = from * 3; k < to; k++, at += 3) {
+    const b = u32[w + k] as number;
+    if (!(b < limit)) break;
+    spans[at] = 0;
+    spans[at + 1] = base + b * blockBytes;
+    spans[at + 2] = blockBytes;
+  }
+  return k;
+}
+
+/**
+ * A block grant's table (the record is entered by the caller): one range entry (directory
+ * index, block 0's offset in the segment mapping, block bytes) then `count` u32 block indices.
+ * Every index is bounded by the segment's mapping size learned from fstat (the blocks that fit
+ * between block 0 and the end of the mapping), never by anything the owner wrote.
+ */
+function readBlockTable(
+  t: TableView,
+  record: number,
+  count: number,
+  arenaOffset: number,
+  expectCount: number,
+  expectBytes: number,
+  mapSegment: (name: string) => ArrayBuffer,
+): { spans: Float64Array; segments: DirSegment[]; mappings: ArrayBuffer[] } {
+  if (count === 0 || count !== expectCount || !(arenaOffset % 8 === 0) || arenaOffset + blockTableBytes(count) > t.geometry.arena) {
+    throw rejected(`grant ${t.name}#${record}: its block table (${count} blocks at ${arenaOffset}) does not match the payload (${expectCount} ranges) or the arena`, 'bad-grant');
+  }
+  const w = (t.arenaAt + arenaOffset) / 4;
+  const u32 = t.u32;
+  const dir = u32[w] as number;
+  const base = u64(u32, t.arenaAt + arenaOffset + 8);
+  const blockBytes = u64(u32, t.arenaAt + arenaOffset + 16);
+  const seg = dirSegment(t, record, 0, dir);
+  const mapping = mapSegment(seg.name);
+  const size = mapping.byteLength;
+  if (!Number.isSafeInteger(base) || base < HEADER_SIZE || base > size || !Number.isSafeInteger(blockBytes) || blockBytes < 1) {
+    throw rejected(`grant ${t.name}#${record}: block 0 at ${base} of ${blockBytes} bytes lies outside the data of ${seg.name} (${size} bytes)`, 'bounds');
+  }
+  if (count * blockBytes !== expectBytes) {
+    throw rejected(`grant ${t.name}#${record}: its ranges cover ${count * blockBytes} bytes, the payload says ${expectBytes}`, 'bad-grant');
+  }
+  const limit = Math.floor((size - base) / blockBytes);
+  const first = w + RANGE_BYTES / 4;
+  const spans = new Float64Array(count * 3);
+  for (let k = 0; k < count; ) {
+    const to = Math.min(count, k + 4096);
+    k = blockSpans(u32, first, k, to, base, blockBytes, limit, spans);
+    if (k < to) throw rejected(`grant ${t.name}#${record}: range ${k} lies outside the data of ${seg.name} (${size} bytes)`, 'bounds');
+  }
+  return { spans, segments: [seg], mappings: [mapping] };
 }
 
 /** Geometry of the `n`th table (0-based) from the first one: twice as large each time, at most 8×. */

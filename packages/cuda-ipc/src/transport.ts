@@ -90,6 +90,8 @@ import {
   GrantTable,
   RANGE_BYTES,
   RECORD_BYTES,
+  RecordForm,
+  blockTableBytes,
   checkGeometry,
   freshToken,
   grownGeometry,
@@ -1756,8 +1758,12 @@ export class CudaIpcTransport implements Transport {
   grant(spec: GrantRanges): TransportRegistration {
     this.#assertOpen();
     const id = this.#identity();
-    const { handles, count, ranges } = spec;
-    if (!Number.isSafeInteger(count) || count < 1 || !(ranges instanceof Float64Array) || ranges.length < count * GRANT_STRIDE || !Array.isArray(handles)) {
+    const { handles, count, blocks } = spec;
+    const shaped =
+      blocks === undefined
+        ? spec.ranges instanceof Float64Array && spec.ranges.length >= count * GRANT_STRIDE
+        : blocks.indices instanceof Uint32Array && blocks.indices.length >= count && Number.isSafeInteger(blocks.base) && blocks.base >= 0 && Number.isSafeInteger(blocks.blockBytes) && blocks.blockBytes >= 1;
+    if (!Number.isSafeInteger(count) || count < 1 || !shaped || !Array.isArray(handles) || (blocks !== undefined && handles.length !== 1)) {
       throw new InvalidInputError('grant: ranges are malformed', { details: { field: 'ranges' } });
     }
     const n = handles.length;
@@ -1778,7 +1784,8 @@ export class CudaIpcTransport implements Transport {
       }
       hs[j] = h;
     }
-    const { table, arenaOffset, record, generation } = this.#reserve(id.nodeId, count * RANGE_BYTES, hs);
+    const arenaBytes = blocks === undefined ? count * RANGE_BYTES : blockTableBytes(count);
+    const { table, arenaOffset, record, generation } = this.#reserve(id.nodeId, arenaBytes, hs);
     // Directory references: once per registration and table (released when it is revoked);
     // a registration remembers its index, so later grants over it look up nothing by name.
     const dirOf = new Uint32Array(n);
@@ -1795,20 +1802,31 @@ export class CudaIpcTransport implements Transport {
           dirOf[j] = d;
         }
       }
-      // Every range checked (the engine did too; this is our own bound) and the range table
-      // written, in one pass (src/grants.ts); a bad range leaves nothing published.
-      bytes = table.writeRanges(arenaOffset, ranges, count, hs, dirOf);
+      if (blocks === undefined) {
+        // Every range checked (the engine did too; this is our own bound) and the range table
+        // written, in one pass (src/grants.ts); a bad range leaves nothing published.
+        bytes = table.writeRanges(arenaOffset, spec.ranges, count, hs, dirOf);
+      } else {
+        // A block grant: the engine's checked indices copied as they are (one copy, nothing per
+        // block); our own bound is the whole last block against the registration, and every
+        // reader bounds each index against the mapping size it learned itself.
+        const h = hs[0] as HostHandle;
+        if (blocks.base + blocks.blockBytes > h.buffer.byteLength) {
+          throw new InvalidInputError(`grant: block 0 (${blocks.base}+${blocks.blockBytes}) is outside its registration`, { details: { field: 'blocks' } });
+        }
+        bytes = table.writeBlocks(arenaOffset, dirOf[0] as number, h.base + blocks.base, blocks.blockBytes, blocks.indices, count);
+      }
     } catch (e) {
       // Nothing was published: the record and its range table go back (references taken stay with their registrations).
       table.untakeRecord(record);
-      table.arena.free(arenaOffset, count * RANGE_BYTES);
+      table.arena.free(arenaOffset, arenaBytes);
       throw e;
     }
     const token = new Uint8Array(TOKEN_BYTES);
     freshToken(token, 0);
-    table.writeRecord(record, token, arenaOffset, count);
+    table.writeRecord(record, token, arenaOffset, count, blocks === undefined ? RecordForm.Ranges : RecordForm.Blocks);
     native.recordPublish(table.mapping, table.recordOffset(record), generation);
-    const g = new RangeGrant(this, table, record, generation, arenaOffset, count * RANGE_BYTES, hs);
+    const g = new RangeGrant(this, table, record, generation, arenaOffset, arenaBytes, hs);
     this.#rangeGrants.add(g);
     return { handle: g, payload: encodeRangePayload(table.name, record, generation, token, count, bytes) };
   }

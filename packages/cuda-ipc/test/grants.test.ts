@@ -561,6 +561,67 @@ describe('cuda-ipc range grants', () => {
     }
   });
 
+  it('a block grant is one record whose table holds the block indices; reads land block blocks[k]; a hostile block table is refused', async () => {
+    const a = await engine();
+    const b = await engine();
+    const BLOCKS = 16;
+    const region = allocateSharedMemory(BLOCKS * BLOCK + 512, 'grantsblk');
+    for (let i = 0; i < region.length; i++) region[i] = pattern(i);
+    const reg = await b.register({ kind: 'host', buffer: region });
+    const dst = new Uint8Array(4 * BLOCK).fill(0xee);
+    const ra = await a.register({ kind: 'host', buffer: dst });
+    // Blocks out of order, from base 512: range k is block blocks[k].
+    const blocks = Uint32Array.of(9, 2, 15, 0);
+    const g = await b.grant({ registration: reg, blockBytes: BLOCK, base: 512, blocks });
+    expect(g.rangeCount).toBe(4);
+    await a.read(b.endpoint(), [...blocks].map((_, k) => ({ local: ra, localOffset: k * BLOCK, remote: g.descriptor, range: k, length: BLOCK })));
+    for (const [k, blk] of [...blocks].entries()) {
+      expect(Buffer.compare(Buffer.from(dst.subarray(k * BLOCK, (k + 1) * BLOCK)), Buffer.from(region.subarray(512 + blk * BLOCK, 512 + (blk + 1) * BLOCK))), `range ${k}`).toBe(0);
+    }
+    // The record says "blocks"; its table is one range entry then the indices, as written.
+    const t = tableOf(payloadOf(g.descriptor));
+    expect(t.dv.getUint32(t.recordAt + 44, true)).toBe(1);
+    const table = t.arenaAt + t.dv.getUint32(t.recordAt + 32, true) + t.dv.getUint32(t.recordAt + 36, true) * 2 ** 32;
+    expect([0, 1, 2, 3].map((k) => t.dv.getUint32(table + 24 + 4 * k, true))).toEqual([...blocks]);
+    expect(t.dv.getUint32(table + 16, true)).toBe(BLOCK);
+    // Past a block (the descriptor says BLOCK bytes: the engine refuses first; the table is the peer's own bound).
+    expect(await failure(a.read(b.endpoint(), [{ local: ra, remote: g.descriptor, range: 1, remoteOffset: 1, length: BLOCK }]))).toBeInstanceOf(InvalidInputError);
+    await g.revoke();
+    // A hostile owner edits a block table: every edit is refused, typed, with no byte moved.
+    const swap32 = (dv: DataView, at: number, value: number): (() => void) => {
+      const old = dv.getUint32(at, true);
+      dv.setUint32(at, value, true);
+      return () => dv.setUint32(at, old, true);
+    };
+    const tampers: [string, (t: ReturnType<typeof tableOf>, table: number) => () => void, string][] = [
+      ['an unknown table form', (x) => swap32(x.dv, x.recordAt + 44, 7), 'bad-grant'],
+      ['a count other than the payload’s', (x) => swap32(x.dv, x.recordAt + 40, 5), 'bad-grant'],
+      ['a block table outside the arena', (x) => swap32(x.dv, x.recordAt + 36, 1), 'bad-grant'],
+      ['a block index past the segment', (x, tb) => swap32(x.dv, tb + 24 + 8, BLOCKS), 'bounds'],
+      ['a block index of 2^32 - 1', (x, tb) => swap32(x.dv, tb + 24, 2 ** 32 - 1), 'bounds'],
+      ['block 0 over the segment header', (x, tb) => swap32(x.dv, tb + 8, 0), 'bounds'],
+      ['blocks of 0 bytes', (x, tb) => swap32(x.dv, tb + 16, 0), 'bounds'],
+      ['blocks of another size than the payload’s byte total', (x, tb) => swap32(x.dv, tb + 16, (BLOCKS + 4) * BLOCK), 'bad-grant'],
+      ['a directory index past the directory', (x, tb) => swap32(x.dv, tb, 100_000), 'bad-grant'],
+    ];
+    for (const [label, tamper, code] of tampers) {
+      const h = await b.grant({ registration: reg, blockBytes: BLOCK, base: 512, blocks: Uint32Array.of(3, 1, 4) });
+      const x = tableOf(payloadOf(h.descriptor));
+      const tb = x.arenaAt + x.dv.getUint32(x.recordAt + 32, true) + x.dv.getUint32(x.recordAt + 36, true) * 2 ** 32;
+      const restore = tamper(x, tb);
+      dst.fill(0xee);
+      const err = await failure(a.read(b.endpoint(), [{ local: ra, remote: h.descriptor, range: 0, length: 16 }]));
+      restore();
+      expect(err, label).toBeInstanceOf(RemoteRejectedError);
+      expect((err as RemoteRejectedError).remoteCode, label).toBe(code);
+      expect(dst.every((v) => v === 0xee), `${label}: no byte moved`).toBe(true);
+      expect(native.recordActive(x.mapping, x.recordAt), label).toBe(0);
+      await h.revoke();
+    }
+    await reg.revoke();
+    releaseSharedMemory(region);
+  });
+
   it('range grant payloads decode only as range grants, and arbitrary bytes are InvalidInput (fuzz)', async () => {
     const tb = new CudaIpcTransport();
     const b = await engine(tb);

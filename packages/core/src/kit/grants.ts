@@ -3,7 +3,8 @@
  *
  * - Every registration gets its own 128-bit random token; its one range (index 0) is the whole
  *   registration. Every range grant gets one too: one token and one table entry however many
- *   ranges it has, its range table kept by reference as the engine made it (GrantRanges.ranges).
+ *   ranges it has, its range table kept by reference as the engine made it (GrantRanges.ranges,
+ *   or for a block grant the engine's block indices, GrantRanges.blocks: nothing per range).
  * - A request names a token, a granted range index and an offset inside that range; the check
  *   ({@link GrantTable.check}) is O(1) per range against that granted range, never merely the
  *   registration, and covers a whole frame before any byte moves.
@@ -18,7 +19,7 @@ import { randomFillSync } from 'node:crypto';
 import { toHex } from '../codec.js';
 import { deferred, type Deferred } from '../deferred.js';
 import { ClosedError, InvalidInputError } from '../errors.js';
-import { GRANT_STRIDE, GrantField, type GrantRanges, type Memory, type MemoryKind, type TransportRegistration } from '../transport.js';
+import { GRANT_STRIDE, GrantField, type GrantBlocks, type GrantRanges, type Memory, type MemoryKind, type TransportRegistration } from '../transport.js';
 import { NO_RANGE, RANGE_ENTRY_BYTES, TOKEN_BYTES, headRangeAt, headRangeCount, headTokenAt, headTokenCount, rangeGrantIndex, rangeLength, rangeOffset, rangeTokenIndex } from './frames.js';
 
 /** Something that holds an entry's memory while it works (a stream); aborted when a revocation's grace ends. */
@@ -79,20 +80,31 @@ export abstract class GrantEntry {
   readonly token: Uint8Array;
   readonly key: string;
   readonly count: number;
+  /** The ranges (GRANT_STRIDE numbers each), unless this is a block grant. */
   readonly ranges: Float64Array;
   readonly buffers: readonly Buffer[];
+  /**
+   * A block grant's block indices (range `k` is `buffers[0]` from `base + blocks[k] ×
+   * blockBytes`, `blockBytes` long); undefined for a registration or a range grant.
+   */
+  readonly blocks: Uint32Array | undefined;
+  readonly base: number;
+  readonly blockBytes: number;
   revoked = false;
   /** Acquisitions not yet released (by all users). */
   users = 0;
   readonly #byUser = new Map<GrantUser, number>();
   #idle: Deferred<void> | undefined;
-  constructor(table: GrantTable, count: number, ranges: Float64Array, buffers: readonly Buffer[]) {
+  constructor(table: GrantTable, count: number, ranges: Float64Array, buffers: readonly Buffer[], blocks?: GrantBlocks) {
     this.table = table;
     this.token = freshToken();
     this.key = toHex(this.token);
     this.count = count;
     this.ranges = ranges;
     this.buffers = buffers;
+    this.blocks = blocks?.indices;
+    this.base = blocks?.base ?? 0;
+    this.blockBytes = blocks?.blockBytes ?? 0;
   }
   acquire(user: GrantUser): void {
     this.users++;
@@ -144,10 +156,27 @@ export class LocalRegistration extends GrantEntry {
  */
 export class RangeGrant extends GrantEntry {
   readonly registrations: readonly LocalRegistration[];
-  constructor(table: GrantTable, registrations: readonly LocalRegistration[], count: number, ranges: Float64Array) {
-    super(table, count, ranges, registrations.map((r) => r.bytes));
+  constructor(table: GrantTable, registrations: readonly LocalRegistration[], spec: GrantRanges) {
+    // A block grant keeps the engine's block indices, never the ranges built from them.
+    super(table, spec.count, spec.blocks === undefined ? spec.ranges : NO_RANGES, registrations.map((r) => r.bytes), spec.blocks);
     this.registrations = registrations;
   }
+}
+
+const NO_RANGES = new Float64Array(0);
+
+/**
+ * Where granted range `k` of `e` starts in its buffer, and which buffer: for the serving paths
+ * (one branch on the grant's form, no object).
+ */
+export function grantedOffset(e: GrantEntry, k: number): number {
+  const b = e.blocks;
+  return b === undefined ? (e.ranges[k * GRANT_STRIDE + GrantField.Offset] as number) : e.base + (b[k] as number) * e.blockBytes;
+}
+
+/** The buffer granted range `k` of `e` lies in. */
+export function grantedBuffer(e: GrantEntry, k: number): Buffer {
+  return e.buffers[e.blocks === undefined ? (e.ranges[k * GRANT_STRIDE + GrantField.Handle] as number) : 0] as Buffer;
 }
 
 /**
@@ -230,16 +259,20 @@ export class GrantTable {
    */
   grant(spec: GrantRanges): TransportRegistration {
     if (this.#closed) throw new ClosedError(`${this.transport} transport is closed`);
-    const { handles, count, ranges } = spec;
-    if (!Number.isSafeInteger(count) || count < 1 || count > MAX_GRANT_RANGES || !(ranges instanceof Float64Array) || ranges.length < count * GRANT_STRIDE) {
-      throw new InvalidInputError(`a ${this.transport} grant needs 1 to ${MAX_GRANT_RANGES} ranges of ${GRANT_STRIDE} numbers each`, { details: { field: 'ranges' } });
+    const { handles, count, blocks } = spec;
+    const shaped =
+      blocks === undefined
+        ? spec.ranges instanceof Float64Array && spec.ranges.length >= count * GRANT_STRIDE
+        : blocks.indices instanceof Uint32Array && blocks.indices.length >= count && Number.isSafeInteger(blocks.base) && Number.isSafeInteger(blocks.blockBytes) && blocks.blockBytes >= 1 && handles.length === 1;
+    if (!Number.isSafeInteger(count) || count < 1 || count > MAX_GRANT_RANGES || !shaped) {
+      throw new InvalidInputError(`a ${this.transport} grant needs 1 to ${MAX_GRANT_RANGES} ranges of ${GRANT_STRIDE} numbers each, or as many block indices of one registration`, { details: { field: 'ranges' } });
     }
     if (!Array.isArray(handles) || handles.length === 0) throw new InvalidInputError(`a ${this.transport} grant needs registration handles`, { details: { field: 'handles' } });
     const regs = handles.map((h, k) => {
       if (!this.isLive(h)) throw new InvalidInputError(`handles[${k}] is not a live ${this.transport} registration of this transport`, { details: { field: 'handles', registration: k } });
       return h;
     });
-    const g = new RangeGrant(this, regs, count, ranges);
+    const g = new RangeGrant(this, regs, spec);
     for (const r of regs) r.grants.add(g);
     this.#tokens.set(g.key, g);
     this.#rangeGrants++;
@@ -341,7 +374,7 @@ export class GrantTable {
         const what = e instanceof LocalRegistration ? 'a whole registration has only range 0' : `the grant has ${e.count} ranges`;
         return { code: GrantRefusalCode.NoSuchRange, message: `range ${i}: granted range ${k} does not exist (${what})`, range: i };
       }
-      const rangeLen = e.ranges[k * GRANT_STRIDE + GrantField.Length] as number;
+      const rangeLen = e.blocks === undefined ? (e.ranges[k * GRANT_STRIDE + GrantField.Length] as number) : e.blockBytes;
       if (off + len > rangeLen) {
         const what = e instanceof LocalRegistration ? `the registration of ${rangeLen} bytes` : `granted range ${k} of ${rangeLen} bytes`;
         return { code: GrantRefusalCode.OutOfBounds, message: `range ${i}: ${off}+${len} exceeds ${what}`, range: i };

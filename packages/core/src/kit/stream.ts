@@ -39,7 +39,7 @@ import {
   toTensorwireError,
 } from '../errors.js';
 import type { Logger } from '../logger.js';
-import { GRANT_STRIDE, GrantField, RANGE_STRIDE, RangeField, type ExecuteOptions, type NodeIdentity, type TransferBatch } from '../transport.js';
+import { RANGE_STRIDE, RangeField, type ExecuteOptions, type NodeIdentity, type TransferBatch } from '../transport.js';
 import { planFor, type BatchLimits, type BatchPlan, type FramePlan } from './batch.js';
 import {
   FrameParser,
@@ -63,7 +63,7 @@ import {
   type FrameSink,
   type ScatterList,
 } from './frames.js';
-import type { GrantEntry, GrantTable, GrantUser, RangeRefusal } from './grants.js';
+import { grantedBuffer, grantedOffset, type GrantEntry, type GrantTable, type GrantUser, type RangeRefusal } from './grants.js';
 
 /** Sizes that decide how bytes move. The defaults are the TCP transport's, measured on loopback. */
 export interface StreamTuning {
@@ -516,10 +516,10 @@ export class FramedStream implements FrameSink, GrantUser {
     let at = headRangeAt(tokens, 0);
     for (let i = 0; i < count; i++, at += RANGE_ENTRY_BYTES) {
       const e = entries[rangeTokenIndex(head, at)] as GrantEntry;
-      const k = rangeGrantIndex(head, at) * GRANT_STRIDE;
-      buffers[i] = e.buffers[e.ranges[k + GrantField.Handle] as number] as Buffer;
+      const k = rangeGrantIndex(head, at);
+      buffers[i] = grantedBuffer(e, k);
       table[3 * i] = i;
-      table[3 * i + 1] = (e.ranges[k + GrantField.Offset] as number) + rangeOffset(head, at);
+      table[3 * i + 1] = grantedOffset(e, k) + rangeOffset(head, at);
       table[3 * i + 2] = rangeLength(head, at);
     }
     for (const g of checked) g.acquire(this);
@@ -578,9 +578,9 @@ export class FramedStream implements FrameSink, GrantUser {
     let piece = 0;
     for (let i = 0, at = first; i < count; i++, at += RANGE_ENTRY_BYTES) {
       const e = entries[rangeTokenIndex(head, at)] as GrantEntry;
-      const k = rangeGrantIndex(head, at) * GRANT_STRIDE;
-      const src = e.buffers[e.ranges[k + GrantField.Handle] as number] as Buffer;
-      const off = (e.ranges[k + GrantField.Offset] as number) + rangeOffset(head, at);
+      const k = rangeGrantIndex(head, at);
+      const src = grantedBuffer(e, k);
+      const off = grantedOffset(e, k) + rangeOffset(head, at);
       const len = rangeLength(head, at);
       if (len >= zeroCopy) {
         if (pos > piece) parts.push(out.subarray(piece, pos));

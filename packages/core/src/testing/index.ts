@@ -503,6 +503,44 @@ export function describeTransportConformance(options: ConformanceOptions): void 
         await g.revoke();
       });
 
+      it('a block grant over 1,000 blocks in lease order (not sorted): range k reads exactly block blocks[k]; past a block is refused', async (ctx) => {
+        needGrants(ctx);
+        const n = 1000;
+        const size = 64;
+        const base = 32;
+        const remote = await registered(b, base + 3 * n * size, 45);
+        const local = await registered(a, n * size);
+        // Layer-major like a KV lease: the same scattered block ids in each of 4 layers of 750 blocks.
+        const blocks = Uint32Array.from({ length: n }, (_, k) => (k % 4) * 750 + ((Math.floor(k / 4) * 397) % 750));
+        const g = await b.grant({ registration: remote.reg, blockBytes: size, base, blocks });
+        expect(g.rangeCount).toBe(n);
+        expect(g.byteLength).toBe(n * size);
+        await a.read(b.endpoint(), Array.from(blocks, (_, k) => ({ local: local.reg, localOffset: k * size, remote: g.descriptor, range: k, length: size })));
+        const src = await remote.buf.read(0, base + 3 * n * size);
+        const dst = await local.buf.read(0, n * size);
+        for (const [k, blk] of blocks.entries()) expect(equal(dst.subarray(k * size, (k + 1) * size), src.subarray(base + blk * size, base + (blk + 1) * size))).toBe(true);
+        await local.buf.write(new Uint8Array(n * size));
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: g.descriptor, range: 7, remoteOffset: 1, length: size }]), [ErrorCode.RemoteRejected, ErrorCode.InvalidInput]);
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: g.descriptor, range: n, length: 1 }]), [ErrorCode.RemoteRejected, ErrorCode.InvalidInput]);
+        expect((await local.buf.read(0, n * size)).every((x) => x === 0)).toBe(true);
+        await g.revoke();
+      });
+
+      it('a WRITE through a block grant lands in its block only; after revoke the block grant is RemoteRejected', async (ctx) => {
+        needGrants(ctx);
+        const remote = await registered(b, 16 * 1024);
+        const local = await registered(a, 4096, 46);
+        const g = await b.grant({ registration: remote.reg, blockBytes: 1024, blocks: Uint32Array.of(9, 2) });
+        await a.write(b.endpoint(), [{ local: local.reg, remote: g.descriptor, range: 1, remoteOffset: 24, length: 1000 }]);
+        expect(equal(await remote.buf.read(2048 + 24, 1000), await local.buf.read(0, 1000))).toBe(true);
+        expect((await remote.buf.read(0, 2048 + 24)).every((x) => x === 0)).toBe(true);
+        expect((await remote.buf.read(3072, 16 * 1024 - 3072)).every((x) => x === 0)).toBe(true);
+        await g.revoke();
+        await expectCode(a.read(b.endpoint(), [{ local: local.reg, remote: g.descriptor, range: 0, length: 1024 }]), [ErrorCode.RemoteRejected]);
+        await expectCode(a.write(b.endpoint(), [{ local: local.reg, remote: g.descriptor, range: 0, length: 1024 }]), [ErrorCode.RemoteRejected]);
+        expect((await remote.buf.read(9 * 1024, 1024)).every((x) => x === 0)).toBe(true);
+      });
+
       it('after revoke the grant is RemoteRejected; the registration and other grants keep working; revoking the registration ends its grants', async (ctx) => {
         needGrants(ctx);
         const remote = await registered(b, 8192, 44);
