@@ -5,7 +5,7 @@
  * acquire profile). After the last lease on a block ends, the next pin looks it up again.
  */
 import { describe, expect, it } from 'vitest';
-import { TcpTransport, TransferEngine, silentLogger, type GrantRange } from '@tensorwire/core';
+import { TcpTransport, TransferEngine, silentLogger, type GrantRange, type GrantRanges, type TransportRegistration } from '@tensorwire/core';
 import { LockClient } from '../src/index.js';
 import { LockServer, engineGrants } from '../src/server/index.js';
 
@@ -51,6 +51,66 @@ describe('engineGrants block lookups', () => {
       await c.release();
       await grants.settled();
       expect(grants.counters()).toEqual({ issued: 3, revoked: 3, live: 0, failed: 0 });
+    } finally {
+      await client.close();
+      await server.close({ graceMs: 0 });
+      await grants.settled();
+      await engine.close();
+      await holder.close();
+    }
+  });
+
+  it('a lease whose blocks are one size on one grid of one registration is a block grant; any other lease is a range grant; both read the right bytes', async () => {
+    /** A TCP transport that remembers how each grant came. */
+    class Spy extends TcpTransport {
+      readonly forms: string[] = [];
+      override grant(spec: GrantRanges): TransportRegistration {
+        this.forms.push(spec.blocks === undefined ? 'ranges' : `blocks@${spec.blocks.base}x${spec.blocks.blockBytes}`);
+        return super.grant(spec);
+      }
+    }
+    const spy = new Spy();
+    const holder = new TransferEngine({ nodeId: 'holder', transports: [spy], logger: silentLogger });
+    const region = new Uint8Array(80 * BLOCK).map((_, i) => (i * 131 + (i >> 12)) & 255);
+    const registration = await holder.register({ kind: 'host', buffer: region });
+    // block:grid:i is block i of a grid that starts at 100; odd:i is one byte off that grid; big:i is twice the size.
+    const where = (id: string): GrantRange | undefined => {
+      const m = /^block:(grid|odd|big):(\d+)$/.exec(id);
+      if (!m) return undefined;
+      const i = Number(m[2]);
+      if (m[1] === 'grid') return { registration, offset: 100 + i * BLOCK, length: BLOCK };
+      if (m[1] === 'odd') return { registration, offset: 101 + i * BLOCK, length: BLOCK };
+      return { registration, offset: 60 * BLOCK + i * 2 * BLOCK, length: 2 * BLOCK };
+    };
+    const grants = engineGrants({ engine: holder, blocks: where });
+    const server = new LockServer({ holderId: 'holder', lockTimeoutMs: 30_000, ...grants.lockServerOptions, logger: silentLogger });
+    const port = await server.listen('127.0.0.1:0');
+    const engine = new TransferEngine({ nodeId: 'req', transports: [new TcpTransport()], logger: silentLogger });
+    const client = new LockClient({ requesterId: 'req', logger: silentLogger });
+    const dst = new Uint8Array(20 * BLOCK);
+    const local = await engine.register({ kind: 'host', buffer: dst });
+    try {
+      const leases: [string[], string][] = [
+        [['block:grid:7', 'block:grid:0', 'block:grid:33', 'block:grid:2'], 'blocks@100x4096'],
+        [['block:grid:7', 'block:odd:3', 'block:grid:9'], 'ranges'],
+        [['block:grid:1', 'block:big:2'], 'ranges'],
+        [['block:big:0', 'block:big:3'], `blocks@${(60 * BLOCK) % (2 * BLOCK)}x${2 * BLOCK}`],
+      ];
+      for (const [ids, form] of leases) {
+        const sizes = ids.map((id) => (where(id) as GrantRange).length as number);
+        const offsets = sizes.map((_, i) => sizes.slice(0, i).reduce((x, y) => x + y, 0));
+        dst.fill(0);
+        const f = await client.fetch(engine, `127.0.0.1:${port}`, ids, ids.map((_, i) => ({ local, offset: offsets[i] as number, length: sizes[i] as number })), { timeoutMs: 10_000 });
+        expect(spy.forms.at(-1), ids.join()).toBe(form);
+        for (const [i, id] of ids.entries()) {
+          const r = where(id) as GrantRange;
+          const o = offsets[i] as number;
+          expect(Buffer.compare(dst.subarray(o, o + (r.length as number)), region.subarray(r.offset as number, (r.offset as number) + (r.length as number))), id).toBe(0);
+        }
+        await f.release();
+      }
+      await grants.settled();
+      expect(grants.counters()).toEqual({ issued: 4, revoked: 4, live: 0, failed: 0 });
     } finally {
       await client.close();
       await server.close({ graceMs: 0 });

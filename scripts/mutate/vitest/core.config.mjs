@@ -1,7 +1,7 @@
 import { mutationVitest } from './shared.mjs';
 
 const FAST = process.env.TW_MUTATE_FAST
-  ? { include: ['test/ids.test.ts', 'test/kit-grants.test.ts', 'test/tcp-grant.test.ts', 'test/grant.test.ts', 'test/invariants.*.test.ts', 'test/mutation-gaps.*.test.ts', 'test/engine.test.ts'] }
+  ? { include: ['test/ids.test.ts', 'test/kit-grants.test.ts', 'test/tcp-grant.test.ts', 'test/grant.test.ts', 'test/grant-blocks.test.ts', 'test/invariants.*.test.ts', 'test/mutation-gaps.*.test.ts', 'test/engine.test.ts'] }
   : {};
 
 export default mutationVitest('core', {

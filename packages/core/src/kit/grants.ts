@@ -260,14 +260,24 @@ export class GrantTable {
   grant(spec: GrantRanges): TransportRegistration {
     if (this.#closed) throw new ClosedError(`${this.transport} transport is closed`);
     const { handles, count, blocks } = spec;
-    const shaped =
-      blocks === undefined
-        ? spec.ranges instanceof Float64Array && spec.ranges.length >= count * GRANT_STRIDE
-        : blocks.indices instanceof Uint32Array && blocks.indices.length >= count && Number.isSafeInteger(blocks.base) && Number.isSafeInteger(blocks.blockBytes) && blocks.blockBytes >= 1 && handles.length === 1;
-    if (!Number.isSafeInteger(count) || count < 1 || count > MAX_GRANT_RANGES || !shaped) {
-      throw new InvalidInputError(`a ${this.transport} grant needs 1 to ${MAX_GRANT_RANGES} ranges of ${GRANT_STRIDE} numbers each, or as many block indices of one registration`, { details: { field: 'ranges' } });
+    const counted = Number.isSafeInteger(count) && count >= 1 && count <= MAX_GRANT_RANGES;
+    if (blocks === undefined) {
+      if (!counted || !(spec.ranges instanceof Float64Array) || spec.ranges.length < count * GRANT_STRIDE) {
+        throw new InvalidInputError(`a ${this.transport} grant needs 1 to ${MAX_GRANT_RANGES} ranges of ${GRANT_STRIDE} numbers each`, { details: { field: 'ranges' } });
+      }
+    } else if (
+      !counted ||
+      !(blocks.indices instanceof Uint32Array) ||
+      blocks.indices.length < count ||
+      !Number.isSafeInteger(blocks.base) ||
+      blocks.base < 0 ||
+      !Number.isSafeInteger(blocks.blockBytes) ||
+      blocks.blockBytes < 1
+    ) {
+      throw new InvalidInputError(`a ${this.transport} block grant needs 1 to ${MAX_GRANT_RANGES} block indices, a base >= 0 and blocks of at least 1 byte`, { details: { field: 'blocks' } });
     }
     if (!Array.isArray(handles) || handles.length === 0) throw new InvalidInputError(`a ${this.transport} grant needs registration handles`, { details: { field: 'handles' } });
+    if (blocks !== undefined && handles.length !== 1) throw new InvalidInputError(`a ${this.transport} block grant covers one registration`, { details: { field: 'handles' } });
     const regs = handles.map((h, k) => {
       if (!this.isLive(h)) throw new InvalidInputError(`handles[${k}] is not a live ${this.transport} registration of this transport`, { details: { field: 'handles', registration: k } });
       return h;

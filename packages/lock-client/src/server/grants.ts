@@ -3,7 +3,9 @@
  *
  * `engineGrants({ engine, blocks })` gives the lock service a `pin`, a `resolve` and a
  * `revoke`: each lease gets ONE range grant from the engine over the ranges of its blocks
- * (block i of the lease is range i), sent to the requester as one lease descriptor; when the
+ * (block i of the lease is range i), sent to the requester as one lease descriptor; a lease
+ * whose blocks are all one size in one registration, on one grid of that size (a KV arena),
+ * is granted as a block grant (4 bytes per block, about the cost of a copy); when the
  * lease ends (released, expired by the GC, abandoned, shutdown) the grant is revoked, exactly
  * once. Counters: `issued = revoked + live`, always. `blocks` is asked once per block when the
  * block is pinned; the lease table keeps the answer with the pin while the block stays pinned
@@ -79,11 +81,17 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   let revoked = 0;
   let failed = 0;
 
-  // One scratch array for every lease's ranges (grown as needed), instead of one per lease.
+  // One scratch array for every lease's ranges, and one for its block indices (grown as
+  // needed), instead of arrays per lease.
   let scratch = new Float64Array(0);
   const scratchFor = (n: number): Float64Array => {
     if (scratch.length < n) scratch = new Float64Array(2 ** Math.ceil(Math.log2(n)));
     return scratch.length === n ? scratch : scratch.subarray(0, n);
+  };
+  let blockScratch = new Uint32Array(0);
+  const blockScratchFor = (n: number): Uint32Array => {
+    if (blockScratch.length < n) blockScratch = new Uint32Array(2 ** Math.ceil(Math.log2(n)));
+    return blockScratch.length === n ? blockScratch : blockScratch.subarray(0, n);
   };
 
   const revokeGrant = (sessionId: string, grant: Grant): void => {
@@ -111,10 +119,18 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       // One typed array for the whole lease: no object per block past the lookup.
       const registrations: Registration[] = [];
       const index = new Map<Registration, number>();
-      const ranges = scratchFor(blockIds.length * GRANT_STRIDE);
+      const n = blockIds.length;
+      const ranges = scratchFor(n * GRANT_STRIDE);
+      // While every block is one size in one registration, on one grid of that size (the KV
+      // arena case), the lease is also a block grant: one u32 per block, checked by the engine
+      // at about the cost of a copy (GrantBlocksSpec).
+      const blocks = blockScratchFor(n);
+      let grid = true;
+      let blockBytes = 0;
+      let phase = 0;
       // What the pins looked up, when the lease is the table's and these are its blocks.
       const values = blockIds === lease.blockIds ? lease.pinValues : undefined;
-      for (let i = 0; i < blockIds.length; i++) {
+      for (let i = 0; i < n; i++) {
         const id = blockIds[i] as string;
         const v = values?.[i] as GrantRange | undefined;
         // A pin hook other than ours (spread over lockServerOptions) may have kept something else.
@@ -123,14 +139,27 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
         let k = index.get(r.registration);
         if (k === undefined) index.set(r.registration, (k = registrations.push(r.registration) - 1));
         const offset = r.offset ?? 0;
+        const length = r.length ?? r.registration.byteLength - offset;
         const at = i * GRANT_STRIDE;
         ranges[at] = k;
         ranges[at + 1] = offset;
-        ranges[at + 2] = r.length ?? r.registration.byteLength - offset;
+        ranges[at + 2] = length;
+        if (grid) {
+          if (i === 0) {
+            blockBytes = length;
+            phase = length >= 1 ? offset % length : 0;
+          }
+          const b = (offset - phase) / blockBytes;
+          grid = k === 0 && length === blockBytes && b >= 0 && b <= 0xffffffff && Number.isInteger(b);
+          blocks[i] = b;
+        }
       }
-      // The engine copies the ranges (into a copy it reuses after revocation) before grant()
-      // returns: the scratch array is free for the next lease at once.
-      grant = await engine.grant({ registrations, ranges }, options.transports ? { transports: options.transports } : {});
+      // The engine copies the ranges or blocks (into a copy it reuses after revocation) before
+      // grant() returns: the scratch arrays are free for the next lease at once.
+      const how = options.transports ? { transports: options.transports } : {};
+      grant = await (grid
+        ? engine.grant({ registration: registrations[0] as Registration, blockBytes, base: phase, blocks }, how)
+        : engine.grant({ registrations, ranges }, how));
     } catch (e) {
       failed++;
       slots.delete(sessionId);
