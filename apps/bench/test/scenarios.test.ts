@@ -97,16 +97,18 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     for (const b of ['raw node:net stream (same byte count)', 'memcpy (Buffer.copy per descriptor, JS loop)']) {
       expect(kv.measurements.filter((m) => m.name === b && m.role === 'baseline').length, b).toBeGreaterThan(0);
     }
-    // Grant cost rows: engine.grant over N ranges, against per-block registration.
-    const sorted = kv.measurements.filter((m) => /^engine\.grant over \d+ ranges \(4 KiB each, sorted by offset\)$/.test(m.name));
-    const unsorted = kv.measurements.filter((m) => /^engine\.grant over \d+ ranges \(4 KiB each, unsorted: \d+ layers × \d+ random blocks, layer-major\)$/.test(m.name));
-    expect(sorted.map((m) => m.extra?.['ranges'])).toEqual([10, 1000]);
-    expect(unsorted.map((m) => m.extra?.['ranges'])).toEqual([10, 1000]);
-    // The flatness ratio (the one with the goal at 10,000) is computed from the sorted rows.
-    const flat = kv.ratios.find((r) => r.name.startsWith('grant cost flatness: '));
-    expect(flat?.subject).toBe(sorted[1]?.name);
-    expect(flat?.baseline).toBe(sorted[0]?.name);
-    expect(kv.ratios.find((r) => r.name.startsWith('grant cost flatness, unsorted: '))?.subject).toBe(unsorted[1]?.name);
+    // Grant cost rows: engine.grant over N ranges and over N blocks (the same ranges as a block grant), against per-block registration.
+    for (const [what, form] of [['ranges', 'range grant: 4 KiB ranges'], ['blocks', 'block grant: 4 KiB blocks by index']] as const) {
+      const f = form.replace(/[()]/g, '\\$&');
+      const sorted = kv.measurements.filter((m) => new RegExp(`^engine\\.grant over \\d+ ${what} \\(${f}, sorted by offset\\)$`).test(m.name));
+      const unsorted = kv.measurements.filter((m) => new RegExp(`^engine\\.grant over \\d+ ${what} \\(${f}, unsorted: \\d+ layers × \\d+ random blocks, layer-major\\)$`).test(m.name));
+      expect(sorted.map((m) => m.extra?.['ranges']), form).toEqual([10, 1000]);
+      expect(unsorted.map((m) => m.extra?.['ranges']), form).toEqual([10, 1000]);
+      const flat = kv.ratios.find((r) => r.name.startsWith(`grant cost flatness (${form}): `));
+      expect(flat?.subject, form).toBe(sorted[1]?.name);
+      expect(flat?.baseline, form).toBe(sorted[0]?.name);
+      expect(kv.ratios.find((r) => r.name.startsWith(`grant cost flatness (${form}), unsorted: `))?.subject, form).toBe(unsorted[1]?.name);
+    }
     expect(kv.measurements.some((m) => m.name.startsWith('engine.register per 4 KiB block') && m.role === 'baseline')).toBe(true);
     // Ratio rows with the issue's goals: 4 KiB, 64 KiB and the plain 1 × 4 MiB read.
     const goals = kv.ratios.filter((r) => r.goal !== undefined).map((r) => r.name);

@@ -80,25 +80,31 @@ const lockPort = await lock.listen('127.0.0.1:0');
  * `sorted`: ranges at stride 7919 blocks, in offset order (the overlap check is then one pass);
  * unsorted: the order of a real lease's blocks, layer-major with random block ids per layer
  * (kv-shape.ts scatter, {@link grantLayers} layers), so offsets rise across layers only.
+ * `blocks`: the same ranges as a block grant (blocks of `size` by index, what engineGrants makes
+ * of a lease on the region's grid), else as a range grant (a Float64Array of ranges).
  */
-async function grantCost(n: number, size: number, sorted: boolean): Promise<{ grantUs: number; revokeUs: number }> {
-  const ranges = new Float64Array(n * 3);
+async function grantCost(n: number, size: number, sorted: boolean, blocks: boolean): Promise<{ grantUs: number; revokeUs: number }> {
+  let offsets: number[] | Float64Array;
   if (sorted) {
     const slots = Math.floor(regionBytes / size);
-    const order = Array.from({ length: n }, (_, k) => ((k * 7919) % slots) * size);
-    order.sort((x, y) => x - y);
-    for (let k = 0; k < n; k++) ranges.set([0, order[k] as number, size], k * 3);
+    offsets = Array.from({ length: n }, (_, k) => ((k * 7919) % slots) * size).sort((x, y) => x - y);
   } else {
     const layers = grantLayers(n);
-    const offsets = scatter({ blockBytes: size, layers, blocks: n / layers }, regionBytes, rng(0x9e3779b9 ^ n));
-    for (let k = 0; k < n; k++) ranges.set([0, offsets[k] as number, size], k * 3);
+    offsets = scatter({ blockBytes: size, layers, blocks: n / layers }, regionBytes, rng(0x9e3779b9 ^ n));
   }
+  const ranges = new Float64Array(n * 3);
+  const indices = new Uint32Array(n);
+  for (let k = 0; k < n; k++) {
+    ranges.set([0, offsets[k] as number, size], k * 3);
+    indices[k] = (offsets[k] as number) / size;
+  }
+  const spec = blocks ? { registration: reg, blockBytes: size, blocks: indices } : { registrations: [reg], ranges };
   const runs = Math.max(5, Math.min(2000, Math.floor(200_000 / n)));
   const g: number[] = [];
   const r: number[] = [];
   for (let i = 0; i < runs; i++) {
     const t0 = process.hrtime.bigint();
-    const grant = await engine.grant({ registrations: [reg], ranges });
+    const grant = await engine.grant(spec);
     const t1 = process.hrtime.bigint();
     await grant.revoke();
     const t2 = process.hrtime.bigint();
@@ -145,14 +151,20 @@ ipc.onMessage((m) => {
   if (m['type'] === 'grant-cost') {
     const size = Number(m['blockBytes']);
     const run = async (): Promise<void> => {
-      const rows: { ranges: number; grantUs: number; revokeUs: number }[] = [];
-      const unsorted: { ranges: number; layers: number; grantUs: number; revokeUs: number }[] = [];
+      type Row = { ranges: number; layers?: number; grantUs: number; revokeUs: number };
+      const rows: Row[] = [];
+      const unsorted: Row[] = [];
+      const blockRows: Row[] = [];
+      const blockUnsorted: Row[] = [];
+      // Range and block grants of each size back to back (the same ranges), so both see the same machine.
       for (const n of m['ranges'] as number[]) {
-        rows.push({ ranges: n, ...(await grantCost(n, size, true)) });
-        unsorted.push({ ranges: n, layers: grantLayers(n), ...(await grantCost(n, size, false)) });
+        rows.push({ ranges: n, ...(await grantCost(n, size, true, false)) });
+        blockRows.push({ ranges: n, ...(await grantCost(n, size, true, true)) });
+        unsorted.push({ ranges: n, layers: grantLayers(n), ...(await grantCost(n, size, false, false)) });
+        blockUnsorted.push({ ranges: n, layers: grantLayers(n), ...(await grantCost(n, size, false, true)) });
       }
       const perBlock = await registerCost(Number(m['registerBlocks']), size);
-      ipc.send({ type: 'grant-cost', rows, unsorted, perBlock, counters: grants.counters(), lock: lock.counters() });
+      ipc.send({ type: 'grant-cost', rows, unsorted, blockRows, blockUnsorted, perBlock, counters: grants.counters(), lock: lock.counters() });
     };
     run().catch((e: unknown) => ipc.send({ type: 'grant-cost', error: e instanceof Error ? e.message : String(e) }));
   }
