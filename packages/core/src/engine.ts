@@ -406,7 +406,6 @@ export class Grant {
     this.skipped = skipped;
     this.#onRevoke = onRevoke;
     this.#recycle = recycle;
-    this.#recycle = recycle;
   }
   get revoked(): boolean {
     return this.#revoked !== undefined;
@@ -1005,7 +1004,9 @@ export class TransferEngine {
         const { blockBytes, base } = made.blocks;
         const length = (regs[0] as Registration).byteLength;
         const nBlocks = base < length ? Math.floor((length - base) / blockBytes) : 0;
-        if (nBlocks === 0) throw new InvalidInputError(`no block of ${blockBytes} bytes fits the registration (${length} bytes) from base ${base}`, { details: { field: 'blockBytes' } });
+        if (nBlocks === 0) {
+          throw new InvalidInputError(`no block of ${blockBytes} bytes fits the registration (${length} bytes) from base ${base}`, { details: { field: base < length ? 'blockBytes' : 'base' } });
+        }
         checkGrantBlocks(made.blocks.indices, count, nBlocks);
         bytes = count * blockBytes;
         runs = [blockBytes, count];

@@ -376,10 +376,12 @@ export class GrantTable {
   /**
    * Write a block grant's table at `arenaOffset` ({@link blockTableBytes}(count) bytes): the
    * segment's directory index, where block 0 lies in the segment mapping, the block size, then
-   * the block indices (one copy of the engine's checked array: nothing per block here). Only
-   * before the record is published. Returns the bytes of all ranges.
+   * the block indices (one copy of the engine's checked array), and check what was written:
+   * every index below `fit`, the blocks that fit the registration (InvalidInputError naming
+   * the first that does not; nothing is published then). Only before the record is published.
+   * Returns the bytes of all ranges.
    */
-  writeBlocks(arenaOffset: number, dir: number, base: number, blockBytes: number, indices: Uint32Array, count: number): number {
+  writeBlocks(arenaOffset: number, dir: number, base: number, blockBytes: number, indices: Uint32Array, count: number, fit: number): number {
     if (!(Number.isSafeInteger(arenaOffset) && arenaOffset % 8 === 0 && arenaOffset >= 0 && arenaOffset + blockTableBytes(count) <= this.geometry.arena && indices.length >= count)) {
       throw new InvalidInputError(`cuda-ipc grant table ${this.name}: block table of ${count} blocks does not fit at ${arenaOffset}`, { details: { field: 'blocks' } });
     }
@@ -391,7 +393,13 @@ export class GrantTable {
     u32[w + 3] = Math.floor(base / TWO32);
     u32[w + 4] = blockBytes % TWO32;
     u32[w + 5] = Math.floor(blockBytes / TWO32);
-    u32.set(indices.length === count ? indices : indices.subarray(0, count), w + RANGE_BYTES / 4);
+    const first = w + RANGE_BYTES / 4;
+    u32.set(indices.length === count ? indices : indices.subarray(0, count), first);
+    for (let k = 0; k < count; ) {
+      const to = Math.min(count, k + 4096);
+      k = belowFrom(u32, first, k, to, fit);
+      if (k < to) throw new InvalidInputError(`grant: blocks[${k}] (block ${String(u32[first + k])}) is outside its registration, which holds ${fit} blocks`, { details: { field: 'blocks', range: k } });
+    }
     return count * blockBytes;
   }
 
@@ -494,6 +502,13 @@ export function openTableView(name: string, peerNodeId: string, peerPid: number)
   return { name, mapping, geometry, u8: new Uint8Array(mapping), u32: new Uint32Array(mapping), dirAt, arenaAt: dirAt + geometry.dir * DIR_BYTES };
 }
 
+/** From `from`, the u32s at `w + k` below `limit`; where it stopped. */
+function belowFrom(u32: Uint32Array, w: number, from: number, to: number, limit: number): number {
+  let k = from;
+  for (; k < to; k++) if (!((u32[w + k] as number) < limit)) break;
+  return k;
+}
+
 /** A u64 at byte `at` (8-aligned) of `u32` as a number; NaN beyond 2^53. */
 function u64(u32: Uint32Array, at: number): number {
   const hi = u32[at / 4 + 1] as number;
@@ -525,6 +540,7 @@ export function readRangeTable(
   expectCount: number,
   expectBytes: number,
   mapSegment: (name: string) => ArrayBuffer,
+  expectForm: number = RecordForm.Ranges,
 ): { spans: Float64Array; segments: DirSegment[]; mappings: ArrayBuffer[] } {
   if (!Number.isSafeInteger(record) || record < 0 || record >= t.geometry.records) throw rejected(`grant table ${t.name} has no record ${record}`, 'bad-grant');
   const off = HEADER_SIZE + record * RECORD_BYTES;
@@ -537,9 +553,10 @@ export function readRangeTable(
   try {
     const count = t.u32[(off + R_COUNT) / 4] as number;
     const arenaOffset = u64(t.u32, off + R_ARENA);
+    // The form the payload names (a block grant's mode) must be the record's.
     const form = t.u32[(off + R_FORM) / 4] as number;
+    if (form !== expectForm) throw rejected(`grant ${t.name}#${record}: its table form ${form} is not the payload's (${expectForm})`, 'bad-grant');
     if (form === RecordForm.Blocks) return readBlockTable(t, record, count, arenaOffset, expectCount, expectBytes, mapSegment);
-    if (form !== RecordForm.Ranges) throw rejected(`grant ${t.name}#${record}: unknown table form ${form}`, 'bad-grant');
     if (count === 0 || count !== expectCount || !(arenaOffset % 8 === 0) || arenaOffset + count * RANGE_BYTES > t.geometry.arena) {
       throw rejected(`grant ${t.name}#${record}: its range table (${count} ranges at ${arenaOffset}) does not match the payload (${expectCount} ranges) or the arena`, 'bad-grant');
     }

@@ -77,6 +77,7 @@ import {
   type TransportHost,
   type TransportRegistration,
   type TransferBatch,
+  type GrantBlocks,
   type GrantRanges,
   GRANT_STRIDE,
   RANGE_STRIDE,
@@ -114,6 +115,8 @@ const TOKEN_BYTES = 16;
 const MODE_LOCAL = 0;
 const MODE_REGISTRATION = 1;
 const MODE_RANGES = 2;
+/** A block grant: the same fields as MODE_RANGES, its record's table in the blocks form. */
+const MODE_BLOCKS = 3;
 
 // Grant ext offsets (native/layout.h).
 const EXT = 1024;
@@ -294,6 +297,8 @@ export interface RemoteRangeGrant {
   readonly length: number;
   /** Length of each granted range as the descriptor says: the engine's to check requests; never trusted here. */
   readonly rangeLengths: Float64Array;
+  /** How the grant's record table reads (the record must say the same). */
+  readonly form: 'ranges' | 'blocks';
 }
 
 export interface EndpointInfo {
@@ -339,10 +344,10 @@ function encodePayload(kind: MemoryKind, grant: { name: string; token: Uint8Arra
 }
 
 /** A range grant's payload: what a peer needs to find and enter the record, whatever the number of ranges. */
-function encodeRangePayload(table: string, record: number, generation: number, token: Uint8Array, count: number, length: number): Uint8Array {
+function encodeRangePayload(table: string, record: number, generation: number, token: Uint8Array, count: number, length: number, blocks: boolean): Uint8Array {
   const w = new ByteWriter(128);
   for (const b of PAYLOAD_MAGIC) w.u8(b);
-  return w.u8(WIRE_VERSION).u8(0).u8(MODE_RANGES).str8(table).u32(record).u64(generation).bytes(token).u32(count).u64(length).finish();
+  return w.u8(WIRE_VERSION).u8(0).u8(blocks ? MODE_BLOCKS : MODE_RANGES).str8(table).u32(record).u64(generation).bytes(token).u32(count).u64(length).finish();
 }
 
 /**
@@ -362,7 +367,7 @@ export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteL
   const kind: MemoryKind = kb === 0 ? 'host' : 'cuda';
   if (kind !== memoryKind) throw new InvalidInputError(`cuda-ipc payload is for ${kind} memory, descriptor says ${memoryKind}`, { details: { field: 'memoryKind' } });
   const mode = r.u8('mode');
-  if (mode > MODE_RANGES) throw new InvalidInputError(`cuda-ipc payload: mode ${mode} is unknown`, { details: { field: 'mode' } });
+  if (mode > MODE_BLOCKS) throw new InvalidInputError(`cuda-ipc payload: mode ${mode} is unknown`, { details: { field: 'mode' } });
   if (mode === MODE_LOCAL) {
     r.u64('length');
     r.end();
@@ -371,7 +376,7 @@ export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteL
       { details: { field: 'remote' } },
     );
   }
-  if (mode === MODE_RANGES) {
+  if (mode === MODE_RANGES || mode === MODE_BLOCKS) {
     if (kind !== 'host') throw new InvalidInputError('cuda-ipc payload: range grants are of host memory', { details: { field: 'memoryKind' } });
     const tableName = r.str8('grant table');
     const p = segmentNameProblem(tableName);
@@ -394,7 +399,8 @@ export function decodePayload(payload: Uint8Array, memoryKind: MemoryKind, byteL
     // payload's byte total is not compared with `byteLength` (a descriptor may claim more bytes
     // around a genuine payload, and must still reach what was granted): the grant's range table
     // must agree with it, and with `count` (readRangeTable), so no payload field goes unchecked.
-    return Object.freeze({ kind: 'host' as const, tableName, record, generation, token, count, length, rangeLengths: Float64Array.from(rangeLengths) });
+    const form = mode === MODE_BLOCKS ? ('blocks' as const) : ('ranges' as const);
+    return Object.freeze({ kind: 'host' as const, tableName, record, generation, token, count, length, rangeLengths: Float64Array.from(rangeLengths), form });
   }
   if (rangeLengths !== undefined) {
     throw new InvalidInputError('cuda-ipc payload grants a whole registration, but the descriptor lists granted ranges', { details: { field: 'rangeLengths' } });
@@ -986,7 +992,7 @@ class CudaIpcConnection implements TransportConnection {
         t = openTableView(remote.tableName, this.peer.nodeId, this.#peerPid);
         this.#remember(this.#tables, remote.tableName, t);
       }
-      const read = readRangeTable(t, remote.record, remote.generation, remote.token, remote.count, remote.length, (name) => this.#mapData(name));
+      const read = readRangeTable(t, remote.record, remote.generation, remote.token, remote.count, remote.length, (name) => this.#mapData(name), remote.form === 'blocks' ? RecordForm.Blocks : RecordForm.Ranges);
       r = { table: t, recordOffset: HEADER_SIZE + remote.record * RECORD_BYTES, ...read };
     } catch (e) {
       throw withRequest(e, firstRequest(batch, RangeField.Remote, index));
@@ -1759,12 +1765,27 @@ export class CudaIpcTransport implements Transport {
     this.#assertOpen();
     const id = this.#identity();
     const { handles, count, blocks } = spec;
-    const shaped =
-      blocks === undefined
-        ? spec.ranges instanceof Float64Array && spec.ranges.length >= count * GRANT_STRIDE
-        : blocks.indices instanceof Uint32Array && blocks.indices.length >= count && Number.isSafeInteger(blocks.base) && blocks.base >= 0 && Number.isSafeInteger(blocks.blockBytes) && blocks.blockBytes >= 1;
-    if (!Number.isSafeInteger(count) || count < 1 || !shaped || !Array.isArray(handles) || (blocks !== undefined && handles.length !== 1)) {
-      throw new InvalidInputError('grant: ranges are malformed', { details: { field: 'ranges' } });
+    if (blocks === undefined) {
+      if (!Number.isSafeInteger(count) || count < 1 || !(spec.ranges instanceof Float64Array) || spec.ranges.length < count * GRANT_STRIDE || !Array.isArray(handles)) {
+        throw new InvalidInputError('grant: ranges are malformed', { details: { field: 'ranges' } });
+      }
+    } else {
+      const b = blocks as Partial<GrantBlocks> | null;
+      if (
+        !Number.isSafeInteger(count) ||
+        count < 1 ||
+        typeof b !== 'object' ||
+        b === null ||
+        !(b.indices instanceof Uint32Array) ||
+        b.indices.length < count ||
+        !Number.isSafeInteger(b.base) ||
+        (b.base as number) < 0 ||
+        !Number.isSafeInteger(b.blockBytes) ||
+        (b.blockBytes as number) < 1
+      ) {
+        throw new InvalidInputError('grant: blocks are malformed (indices for every range, a base >= 0, blocks of at least 1 byte)', { details: { field: 'blocks' } });
+      }
+      if (!Array.isArray(handles) || handles.length !== 1) throw new InvalidInputError('grant: a block grant covers one registration', { details: { field: 'handles' } });
     }
     const n = handles.length;
     const hs: HostHandle[] = new Array<HostHandle>(n);
@@ -1807,14 +1828,13 @@ export class CudaIpcTransport implements Transport {
         // written, in one pass (src/grants.ts); a bad range leaves nothing published.
         bytes = table.writeRanges(arenaOffset, spec.ranges, count, hs, dirOf);
       } else {
-        // A block grant: the engine's checked indices copied as they are (one copy, nothing per
-        // block); our own bound is the whole last block against the registration, and every
-        // reader bounds each index against the mapping size it learned itself.
+        // A block grant: the engine's checked indices copied as they are (one copy), then our
+        // own bound on what was written (the largest index against the blocks that fit the
+        // registration: one compare per block); every reader also bounds each index against
+        // the mapping size it learned itself.
         const h = hs[0] as HostHandle;
-        if (blocks.base + blocks.blockBytes > h.buffer.byteLength) {
-          throw new InvalidInputError(`grant: block 0 (${blocks.base}+${blocks.blockBytes}) is outside its registration`, { details: { field: 'blocks' } });
-        }
-        bytes = table.writeBlocks(arenaOffset, dirOf[0] as number, h.base + blocks.base, blocks.blockBytes, blocks.indices, count);
+        const fit = blocks.base < h.buffer.byteLength ? Math.floor((h.buffer.byteLength - blocks.base) / blocks.blockBytes) : 0;
+        bytes = table.writeBlocks(arenaOffset, dirOf[0] as number, h.base + blocks.base, blocks.blockBytes, blocks.indices, count, fit);
       }
     } catch (e) {
       // Nothing was published: the record and its range table go back (references taken stay with their registrations).
@@ -1828,7 +1848,7 @@ export class CudaIpcTransport implements Transport {
     native.recordPublish(table.mapping, table.recordOffset(record), generation);
     const g = new RangeGrant(this, table, record, generation, arenaOffset, arenaBytes, hs);
     this.#rangeGrants.add(g);
-    return { handle: g, payload: encodeRangePayload(table.name, record, generation, token, count, bytes) };
+    return { handle: g, payload: encodeRangePayload(table.name, record, generation, token, count, bytes, blocks !== undefined) };
   }
 
   /** A record and `bytes` of arena in a table with directory room for the segments of `hs`; a new table when none fits. */
@@ -1851,7 +1871,7 @@ export class CudaIpcTransport implements Transport {
     const segments = new Set(hs.map((h) => (h.segment as GrantedSegment).name)).size;
     const geometry = grownGeometry(this.#tableGeometry, this.#tables.length, { records: 1, dir: segments, arena: bytes });
     if (geometry.dir < segments || geometry.arena < bytes) {
-      throw new InvalidInputError(`cuda-ipc: a grant over ${segments} segments and ${bytes / RANGE_BYTES} ranges does not fit the largest grant table`, { details: { field: 'ranges' } });
+      throw new InvalidInputError(`cuda-ipc: a grant over ${segments} segments and ${bytes} bytes of range table does not fit the largest grant table`, { details: { field: 'ranges' } });
     }
     const t = GrantTable.create(nodeId, geometry);
     this.#tables.push(t);

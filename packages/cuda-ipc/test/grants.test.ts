@@ -56,6 +56,15 @@ function payloadOf(descriptor: Uint8Array): Uint8Array {
   return decodeDescriptor(descriptor).transports.get('cuda-ipc') as Uint8Array;
 }
 
+function thrown(f: () => unknown): unknown {
+  try {
+    f();
+  } catch (e) {
+    return e;
+  }
+  return undefined;
+}
+
 function withPayload(descriptor: Uint8Array, payload: Uint8Array): Uint8Array {
   return encodeDescriptor({ ...decodeDescriptor(descriptor), transports: new Map([['cuda-ipc', payload]]) });
 }
@@ -586,7 +595,40 @@ describe('cuda-ipc range grants', () => {
     expect(t.dv.getUint32(table + 16, true)).toBe(BLOCK);
     // Past a block (the descriptor says BLOCK bytes: the engine refuses first; the table is the peer's own bound).
     expect(await failure(a.read(b.endpoint(), [{ local: ra, remote: g.descriptor, range: 1, remoteOffset: 1, length: BLOCK }]))).toBeInstanceOf(InvalidInputError);
+    // The payload's mode (3, blocks) must be the record's form: forged to 2 (ranges), the reader refuses.
+    const p = payloadOf(g.descriptor);
+    expect(p[6]).toBe(3);
+    const asRanges = p.slice();
+    asRanges[6] = 2;
+    const c = await engine();
+    const rc = await c.register({ kind: 'host', buffer: new Uint8Array(BLOCK) });
+    const forged = await failure(c.read(b.endpoint(), [{ local: rc, remote: withPayload(g.descriptor, asRanges), range: 0, length: 16 }]));
+    expect(forged).toBeInstanceOf(RemoteRejectedError);
+    expect((forged as RemoteRejectedError).remoteCode).toBe('bad-grant');
     await g.revoke();
+    // The transport bounds the indices it writes itself (its grant() is public): a block past the
+    // registration is refused, naming it, and nothing is published.
+    const tb = new CudaIpcTransport();
+    await engine(tb);
+    const small = await tb.register({ kind: 'host', buffer: region.subarray(0, 4 * BLOCK) });
+    const ok = tb.grant({ handles: [small.handle], count: 2, bytes: 2 * BLOCK, ranges: new Float64Array(0), blocks: { base: 0, blockBytes: BLOCK, indices: Uint32Array.of(1, 3) } }) as { handle: object };
+    await tb.revokeGrant(ok.handle);
+    const before = tb.grantTables()[0]?.freeRecords;
+    const arena = tb.grantTables()[0]?.freeRangeBytes;
+    const bad = thrown(() => tb.grant({ handles: [small.handle], count: 2, bytes: 2 * BLOCK, ranges: new Float64Array(0), blocks: { base: 0, blockBytes: BLOCK, indices: Uint32Array.of(1, 4) } }));
+    expect(bad).toBeInstanceOf(InvalidInputError);
+    expect((bad as InvalidInputError).details).toMatchObject({ field: 'blocks', range: 1 });
+    expect(tb.grantTables()[0]?.freeRecords).toBe(before);
+    expect(tb.grantTables()[0]?.freeRangeBytes).toBe(arena);
+    for (const [what, spec] of [
+      ['two registrations', { handles: [small.handle, small.handle], count: 1, bytes: BLOCK, ranges: new Float64Array(0), blocks: { base: 0, blockBytes: BLOCK, indices: Uint32Array.of(0) } }],
+      ['blocks of 0 bytes', { handles: [small.handle], count: 1, bytes: 0, ranges: new Float64Array(0), blocks: { base: 0, blockBytes: 0, indices: Uint32Array.of(0) } }],
+      ['null blocks', { handles: [small.handle], count: 1, bytes: BLOCK, ranges: new Float64Array(0), blocks: null }],
+      ['fewer indices than ranges', { handles: [small.handle], count: 2, bytes: BLOCK, ranges: new Float64Array(0), blocks: { base: 0, blockBytes: BLOCK, indices: Uint32Array.of(0) } }],
+    ] as const) {
+      expect(thrown(() => tb.grant(spec as unknown as Parameters<CudaIpcTransport['grant']>[0])), what).toBeInstanceOf(InvalidInputError);
+    }
+    await tb.revoke(small.handle);
     // A hostile owner edits a block table: every edit is refused, typed, with no byte moved.
     const swap32 = (dv: DataView, at: number, value: number): (() => void) => {
       const old = dv.getUint32(at, true);

@@ -1,7 +1,7 @@
 /**
  * Tests written to kill surviving Stryker mutants of the same-host transport's payload decoding
  * (src/transport.ts `decodePayload`; see the package README, "Mutation testing"): every refusal
- * with its message and `details.field`, the boundaries (memory kind 1, mode 2, a byte total equal
+ * with its message and `details.field`, the boundaries (memory kind 1, mode 3, a byte total equal
  * to the range count), the fields read, and the decoded token and range lengths being copies.
  * Payloads are built byte by byte here (the wire layout of `encodePayload` /
  * `encodeRangePayload`), so no addon or shared memory is needed.
@@ -91,8 +91,8 @@ describe('decodePayload: the header', () => {
     refused(() => decodePayload(registration({ kind: 1 }), 'host', 100), 'cuda-ipc payload is for cuda memory, descriptor says host', 'memoryKind');
   });
 
-  it('mode: 3 is unknown; 0 is local-only memory, refused with the reason; its length and end are read', () => {
-    refused(() => decodePayload(registration({ mode: 3 }), 'host', 100), 'cuda-ipc payload: mode 3 is unknown', 'mode');
+  it('mode: 4 is unknown; 0 is local-only memory, refused with the reason; its length and end are read', () => {
+    refused(() => decodePayload(registration({ mode: 4 }), 'host', 100), 'cuda-ipc payload: mode 4 is unknown', 'mode');
     refused(() => decodePayload(local(), 'host', 64), /^the peer registered this memory for local use only: it is not in shared memory/, 'remote');
     // A local payload with a trailing byte is malformed before it is local-only.
     refused(() => decodePayload(local(1), 'host', 64), 'cuda-ipc payload has 1 trailing bytes', 'trailing');
@@ -126,7 +126,19 @@ describe('decodePayload: a range grant (mode 2)', () => {
     const p = ranges({ record: 3, generation: 7, count: 2, length: 96 });
     const lengths = Float64Array.of(32, 64);
     const g = decodePayload(p, 'host', 96, lengths);
-    expect(g).toEqual({ kind: 'host', tableName: TABLE, record: 3, generation: 7, token: TOKEN, count: 2, length: 96, rangeLengths: Float64Array.of(32, 64) });
+    expect(g).toEqual({ kind: 'host', tableName: TABLE, record: 3, generation: 7, token: TOKEN, count: 2, length: 96, rangeLengths: Float64Array.of(32, 64), form: 'ranges' });
+    // Mode 3, a block grant: the same fields; its record's table must be in the blocks form.
+    expect(decodePayload(ranges({ mode: 3, record: 3, generation: 7, count: 2, length: 96 }), 'host', 96, Float64Array.of(48, 48))).toEqual({
+      kind: 'host',
+      tableName: TABLE,
+      record: 3,
+      generation: 7,
+      token: TOKEN,
+      count: 2,
+      length: 96,
+      rangeLengths: Float64Array.of(48, 48),
+      form: 'blocks',
+    });
     expect(Object.isFrozen(g)).toBe(true);
     p.fill(0);
     lengths.fill(0);
