@@ -409,11 +409,12 @@ function belowRun(blocks: Uint32Array, from: number, to: number, limit: number):
   return i;
 }
 
-/** From `from`, block indices not yet marked in `seen` (each marked as it passes). */
-function unseenRun(blocks: Uint32Array, from: number, to: number, seen: Uint32Array): number {
+/** From `from`, block indices below `limit` and not yet marked in `seen` (a bitmap; each marked as it passes). */
+function unseenRun(blocks: Uint32Array, from: number, to: number, limit: number, seen: Uint32Array): number {
   let i = from;
   for (; i < to; i++) {
     const b = blocks[i] as number;
+    if (!(b < limit)) break;
     const w = b >>> 5;
     const bit = 1 << (b & 31);
     const was = seen[w] as number;
@@ -421,6 +422,40 @@ function unseenRun(blocks: Uint32Array, from: number, to: number, seen: Uint32Ar
     seen[w] = was | bit;
   }
   return i;
+}
+
+/** From `from`, block indices below `limit` whose entry in `stamps` is not yet `stamp` (each set as it passes). */
+function unstampedRun(blocks: Uint32Array, from: number, to: number, limit: number, stamps: Uint32Array, stamp: number): number {
+  let i = from;
+  for (; i < to; i++) {
+    const b = blocks[i] as number;
+    if (!(b < limit) || stamps[b] === stamp) break;
+    stamps[b] = stamp;
+  }
+  return i;
+}
+
+/**
+ * Registrations of at most this many blocks check repeats against {@link stampTable}: one
+ * entry per block, marked with a number fresh for each check, so nothing is cleared or
+ * allocated per grant (a bitmap made per grant cost about 3 ns a block; this about 1). At most
+ * 4 MiB, kept for the process once a grant needed it.
+ */
+export const STAMP_MAX_BLOCKS = 1 << 20;
+let stampTable = new Uint32Array(0);
+let stampNow = 0;
+
+/** The stamp table for `nBlocks` blocks and a stamp no entry holds. */
+function freshStamp(nBlocks: number): { stamps: Uint32Array; stamp: number } {
+  if (stampTable.length < nBlocks) {
+    stampTable = new Uint32Array(2 ** Math.ceil(Math.log2(nBlocks)));
+    stampNow = 0;
+  }
+  if (stampNow === 0xffffffff) {
+    stampTable.fill(0);
+    stampNow = 0;
+  }
+  return { stamps: stampTable, stamp: ++stampNow };
 }
 
 function blockBoundsError(blocks: Uint32Array, i: number, nBlocks: number): InvalidInputError {
@@ -445,10 +480,11 @@ function findRepeatedBlock(blocks: Uint32Array, count: number): [number, number]
  * Check the block indices of a block grant: `count` indices of `blocks` (the engine's private
  * copy), each below `nBlocks` (the blocks that fit the registration), none twice (two ranges of
  * one block would overlap). Nothing is allocated per block. In increasing order (a lease's
- * blocks sorted, the common case) that is one compare per block and one bound at the end;
- * otherwise a bounds pass, then a bitmap over block indices (or, over a huge, sparsely granted
- * registration, a sorted copy). Throws InvalidInputError naming the lowest bad index
- * (`details.range`), field `blocks`.
+ * blocks sorted) that is one compare per block and one bound at the end; otherwise (a lease in
+ * layer-major order, the common case) one pass that bounds each index and marks it in the
+ * stamp table ({@link STAMP_MAX_BLOCKS}), or in a bitmap over a larger registration, or (over a
+ * huge, sparsely granted one) a bounds pass and a sorted copy. Throws InvalidInputError naming
+ * the lowest index out of bounds, else the lowest repeat (`details.range`), field `blocks`.
  */
 export function checkGrantBlocks(blocks: Uint32Array, count: number, nBlocks: number): void {
   let i = 0;
@@ -462,31 +498,42 @@ export function checkGrantBlocks(blocks: Uint32Array, count: number, nBlocks: nu
   }
   if (prev >= nBlocks) throw blockBoundsError(blocks, belowRun(blocks, 0, count, nBlocks), nBlocks);
   if (i === count) return;
-  // Out of order from `i`: every index against the bound, then repeats.
-  for (let k = i; k < count; ) {
-    const to = Math.min(count, k + CHUNK);
-    k = belowRun(blocks, k, to, nBlocks);
-    if (k < to) throw blockBoundsError(blocks, k, nBlocks);
-  }
-  let repeated = false;
-  const words = Math.ceil(nBlocks / 32);
-  if (words <= gridBitmapWords(count)) {
-    const seen = new Uint32Array(words);
-    for (let k = 0; k < count && !repeated; ) {
+  // Out of order from `i`: one pass over all of them, each against the bound and for a repeat
+  // (a stamp table, a bitmap over a larger registration, or a sorted copy over a huge one).
+  let clean = true;
+  if (nBlocks <= STAMP_MAX_BLOCKS) {
+    const { stamps, stamp } = freshStamp(nBlocks);
+    for (let k = 0; k < count && clean; ) {
       const to = Math.min(count, k + CHUNK);
-      k = unseenRun(blocks, k, to, seen);
-      repeated = k < to;
+      k = unstampedRun(blocks, k, to, nBlocks, stamps, stamp);
+      clean = k === to;
+    }
+  } else if (Math.ceil(nBlocks / 32) <= gridBitmapWords(count)) {
+    const seen = new Uint32Array(Math.ceil(nBlocks / 32));
+    for (let k = 0; k < count && clean; ) {
+      const to = Math.min(count, k + CHUNK);
+      k = unseenRun(blocks, k, to, nBlocks, seen);
+      clean = k === to;
     }
   } else {
-    const sorted = blocks.slice(0, count).sort();
-    repeated = increasingRun(sorted, 0, count, -1) < count;
+    for (let k = i; k < count && clean; ) {
+      const to = Math.min(count, k + CHUNK);
+      k = belowRun(blocks, k, to, nBlocks);
+      clean = k === to;
+    }
+    if (clean) {
+      const sorted = blocks.slice(0, count).sort();
+      clean = increasingRun(sorted, 0, count, -1) === count;
+    }
   }
-  if (repeated) {
-    const [later, earlier] = findRepeatedBlock(blocks, count);
-    throw new InvalidInputError(`blocks[${later}] repeats blocks[${earlier}] (block ${String(blocks[later])}): its ranges would overlap`, {
-      details: { field: 'blocks', range: later },
-    });
-  }
+  if (clean) return;
+  // The error path: bounds first (the lowest index out of them), then the lowest repeat.
+  const out = belowRun(blocks, 0, count, nBlocks);
+  if (out < count) throw blockBoundsError(blocks, out, nBlocks);
+  const [later, earlier] = findRepeatedBlock(blocks, count);
+  throw new InvalidInputError(`blocks[${later}] repeats blocks[${earlier}] (block ${String(blocks[later])}): its ranges would overlap`, {
+    details: { field: 'blocks', range: later },
+  });
 }
 
 /**

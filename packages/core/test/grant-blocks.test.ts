@@ -9,7 +9,7 @@
 import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
 import { InvalidInputError, TransferEngine, decodeDescriptor, silentLogger, type GrantRanges } from '../src/index.js';
-import { checkGrantBlocks, gridBitmapWords } from '../src/grant-check.js';
+import { STAMP_MAX_BLOCKS, checkGrantBlocks, gridBitmapWords } from '../src/grant-check.js';
 import * as tcpFrames from '../src/tcp/frames.js';
 import type { TcpTransport } from '../src/tcp/transport.js';
 import { pattern } from '../src/testing/pattern.js';
@@ -63,6 +63,33 @@ describe('checkGrantBlocks', () => {
         }
       }),
       { numRuns: 2000 },
+    );
+  });
+
+  it('10,000 indices over registrations of every size class (stamp table, bitmap, sorted copy): clean, one repeat or one index out of bounds anywhere', () => {
+    // nBlocks: within the stamp table; above it with a bitmap small against the count; huge (sorted copy).
+    const sizes = [12_000, STAMP_MAX_BLOCKS + 5, 2 ** 31];
+    expect(Math.ceil((STAMP_MAX_BLOCKS + 5) / 32)).toBeLessThanOrEqual(gridBitmapWords(10_000));
+    expect(Math.ceil(2 ** 31 / 32)).toBeGreaterThan(gridBitmapWords(10_000));
+    fc.assert(
+      fc.property(fc.constantFrom(...sizes), fc.nat(9999), fc.nat(9999), fc.constantFrom('clean', 'repeat', 'bounds'), fc.nat(), (nBlocks, at, from, fault, seed) => {
+        // Layer-major like a lease: 40 layers of 250 distinct blocks, the same ids in each layer.
+        const stride = Math.floor(Math.min(nBlocks, 12_000) / 40);
+        const list = Array.from({ length: 10_000 }, (_, k) => Math.floor(k / 250) * stride + ((k % 250) * 7 + seed) % Math.min(250, stride));
+        if (fault === 'repeat' && at !== from) list[Math.max(at, from)] = list[Math.min(at, from)] as number;
+        if (fault === 'bounds') list[at] = nBlocks + (seed % 3);
+        const want = modelError(list, nBlocks);
+        const blocks = Uint32Array.from(list);
+        let got: unknown;
+        try {
+          checkGrantBlocks(blocks, blocks.length, nBlocks);
+        } catch (e) {
+          got = e;
+        }
+        if (want === undefined) expect(got).toBeUndefined();
+        else expect((got as InvalidInputError).details).toMatchObject({ field: 'blocks', range: want.range });
+      }),
+      { numRuns: 150 },
     );
   });
 
