@@ -38,7 +38,7 @@ import {
   errorFromSignal,
   toTensorwireError,
 } from './errors.js';
-import { checkGrantBlocks, checkGrantRanges, expandGrantBlocks, RangePool } from './grant-check.js';
+import { checkGrantBlocks, checkGrantRanges, expandGrantBlocks, markCheckedBlocks, RangePool } from './grant-check.js';
 import { IdAllocator, IdRegistry, assertOwner } from './ids.js';
 import { consoleLogger, type Logger } from './logger.js';
 import { EngineMetrics, type MetricsOptions, type PostTally } from './metrics.js';
@@ -1008,6 +1008,7 @@ export class TransferEngine {
           throw new InvalidInputError(`no block of ${blockBytes} bytes fits the registration (${length} bytes) from base ${base}`, { details: { field: base < length ? 'blockBytes' : 'base' } });
         }
         checkGrantBlocks(made.blocks.indices, count, nBlocks);
+        markCheckedBlocks(made.blocks);
         bytes = count * blockBytes;
         runs = [blockBytes, count];
       } else {

@@ -18,7 +18,7 @@
  * ({@link findGrantOverlap}).
  */
 import { InvalidInputError } from './errors.js';
-import { GRANT_STRIDE, GrantField } from './transport.js';
+import { GRANT_STRIDE, GrantField, type GrantBlocks, type GrantRanges } from './transport.js';
 
 /** What the check learnt: the sum of the lengths and the lengths as (length, repeat) runs. */
 export interface GrantCheck {
@@ -547,4 +547,24 @@ export function expandGrantBlocks(blocks: Uint32Array, count: number, base: numb
     out[at + GrantField.Length] = blockBytes;
   }
   return out;
+}
+
+/** The block specs the engine made and checked (only it adds to this: the set is not exported). */
+const checkedBlocks = new WeakSet<GrantBlocks>();
+
+/** @internal The engine's: `blocks` (frozen, its own indices copy) passed {@link checkGrantBlocks}. */
+export function markCheckedBlocks(blocks: GrantBlocks): GrantBlocks {
+  checkedBlocks.add(Object.freeze(blocks));
+  return blocks;
+}
+
+/**
+ * Whether `spec.blocks` is a block spec the engine made and checked (every index inside the
+ * registration, none twice) and handed to this transport: then a transport may skip a bound
+ * of its own per index, keeping a block grant's cost flat. False for a spec built by anyone
+ * else (a direct call of `Transport.grant`), which a transport must check itself.
+ */
+export function engineCheckedBlocks(spec: GrantRanges): boolean {
+  const b: unknown = spec.blocks;
+  return typeof b === 'object' && b !== null && checkedBlocks.has(b as GrantBlocks);
 }

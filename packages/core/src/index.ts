@@ -9,6 +9,7 @@ export * from './host-id.js';
 export * from './deferred.js';
 export * from './metrics.js';
 export * from './engine.js';
+export { engineCheckedBlocks } from './grant-check.js';
 export * from './discovery.js';
 export { TcpTransport, TcpConnection, encodeTcpEndpoint, decodeTcpEndpoint, type TcpTransportOptions } from './tcp/transport.js';
 export * as tcpFrames from './tcp/frames.js';

@@ -8,7 +8,7 @@
  */
 import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
-import { InvalidInputError, TransferEngine, decodeDescriptor, silentLogger, type GrantRanges } from '../src/index.js';
+import { InvalidInputError, TransferEngine, decodeDescriptor, engineCheckedBlocks, silentLogger, type GrantBlocks, type GrantRanges } from '../src/index.js';
 import { STAMP_MAX_BLOCKS, checkGrantBlocks, gridBitmapWords } from '../src/grant-check.js';
 import * as tcpFrames from '../src/tcp/frames.js';
 import type { TcpTransport } from '../src/tcp/transport.js';
@@ -162,6 +162,12 @@ describe('engine.grant over blocks', () => {
       expect(spec.blocks?.indices).not.toBe(blocks);
       expect([...(spec.blocks?.indices ?? [])]).toEqual([7, 0, 3]);
       expect(spec.blocks).toMatchObject({ base: 100, blockBytes: 4096 });
+      // The engine's checked spec is recognised (a transport may skip its own bound); a copy of it, or anyone else's, is not.
+      expect(engineCheckedBlocks(spec)).toBe(true);
+      expect(Object.isFrozen(spec.blocks)).toBe(true);
+      expect(engineCheckedBlocks({ ...spec, blocks: { ...(spec.blocks as GrantBlocks) } })).toBe(false);
+      expect(engineCheckedBlocks({ handles: [], count: 1, bytes: 1, ranges: new Float64Array(3) })).toBe(false);
+      expect(engineCheckedBlocks({ handles: [], count: 1, bytes: 1, ranges: new Float64Array(3), blocks: null as unknown as GrantBlocks })).toBe(false);
       expect(spec.bytes).toBe(3 * 4096);
       expect([...spec.ranges]).toEqual([0, 100 + 7 * 4096, 4096, 0, 100, 4096, 0, 100 + 3 * 4096, 4096]);
       expect(spec.ranges).toBe(spec.ranges); // built once

@@ -376,12 +376,12 @@ export class GrantTable {
   /**
    * Write a block grant's table at `arenaOffset` ({@link blockTableBytes}(count) bytes): the
    * segment's directory index, where block 0 lies in the segment mapping, the block size, then
-   * the block indices (one copy of the engine's checked array), and check what was written:
-   * every index below `fit`, the blocks that fit the registration (InvalidInputError naming
-   * the first that does not; nothing is published then). Only before the record is published.
-   * Returns the bytes of all ranges.
+   * the block indices (one copy), and unless `fit` is undefined (indices the engine checked)
+   * check what was written: every index below `fit`, the blocks that fit the registration
+   * (InvalidInputError naming the first that does not; nothing is published then). Only
+   * before the record is published. Returns the bytes of all ranges.
    */
-  writeBlocks(arenaOffset: number, dir: number, base: number, blockBytes: number, indices: Uint32Array, count: number, fit: number): number {
+  writeBlocks(arenaOffset: number, dir: number, base: number, blockBytes: number, indices: Uint32Array, count: number, fit: number | undefined): number {
     if (!(Number.isSafeInteger(arenaOffset) && arenaOffset % 8 === 0 && arenaOffset >= 0 && arenaOffset + blockTableBytes(count) <= this.geometry.arena && indices.length >= count)) {
       throw new InvalidInputError(`cuda-ipc grant table ${this.name}: block table of ${count} blocks does not fit at ${arenaOffset}`, { details: { field: 'blocks' } });
     }
@@ -395,7 +395,7 @@ export class GrantTable {
     u32[w + 5] = Math.floor(blockBytes / TWO32);
     const first = w + RANGE_BYTES / 4;
     u32.set(indices.length === count ? indices : indices.subarray(0, count), first);
-    for (let k = 0; k < count; ) {
+    for (let k = 0; fit !== undefined && k < count; ) {
       const to = Math.min(count, k + 4096);
       k = belowFrom(u32, first, k, to, fit);
       if (k < to) throw new InvalidInputError(`grant: blocks[${k}] (block ${String(u32[first + k])}) is outside its registration, which holds ${fit} blocks`, { details: { field: 'blocks', range: k } });

@@ -51,6 +51,7 @@ import { tmpdir } from 'node:os';
 import { join } from 'node:path';
 import {
   BackendUnavailableError,
+  engineCheckedBlocks,
   ByteReader,
   ByteWriter,
   ClosedError,
@@ -1828,13 +1829,13 @@ export class CudaIpcTransport implements Transport {
         // written, in one pass (src/grants.ts); a bad range leaves nothing published.
         bytes = table.writeRanges(arenaOffset, spec.ranges, count, hs, dirOf);
       } else {
-        // A block grant: the engine's checked indices copied as they are (one copy), then our
-        // own bound on what was written (the largest index against the blocks that fit the
-        // registration: one compare per block); every reader also bounds each index against
-        // the mapping size it learned itself.
+        // A block grant: the indices copied as they are (one copy). Indices the engine checked
+        // (engineCheckedBlocks: it made this spec) need nothing more; any other caller's are
+        // bounded here, on what was written, against the blocks that fit the registration.
+        // Every reader also bounds each index against the mapping size it learned itself.
         const h = hs[0] as HostHandle;
         const fit = blocks.base < h.buffer.byteLength ? Math.floor((h.buffer.byteLength - blocks.base) / blocks.blockBytes) : 0;
-        bytes = table.writeBlocks(arenaOffset, dirOf[0] as number, h.base + blocks.base, blocks.blockBytes, blocks.indices, count, fit);
+        bytes = table.writeBlocks(arenaOffset, dirOf[0] as number, h.base + blocks.base, blocks.blockBytes, blocks.indices, count, engineCheckedBlocks(spec) ? undefined : fit);
       }
     } catch (e) {
       // Nothing was published: the record and its range table go back (references taken stay with their registrations).
