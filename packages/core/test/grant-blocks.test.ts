@@ -14,7 +14,7 @@ import * as tcpFrames from '../src/tcp/frames.js';
 import type { TcpTransport } from '../src/tcp/transport.js';
 import { pattern } from '../src/testing/pattern.js';
 import { hostile, holderNode } from './helpers/raw-peer.js';
-import { MemTransport } from './helpers/mem-transport.js';
+import { MemTransport, SpyTransport } from './helpers/mem-transport.js';
 
 const { FrameType, decodeError, encodeReadvReq, encodeWritevReq } = tcpFrames;
 
@@ -30,37 +30,34 @@ function modelError(blocks: readonly number[], n: number): { range: number; kind
   return undefined;
 }
 
-/** A MemTransport that remembers the GrantRanges the engine handed it. */
-class SpyTransport extends MemTransport {
-  last: GrantRanges | undefined;
-  override grant(spec: GrantRanges) {
-    this.last = spec;
-    return super.grant(spec);
+/** checkGrantBlocks on `list` agrees with the model: passes, or names the model's index and kind. */
+function expectModel(list: readonly number[], nBlocks: number): void {
+  const want = modelError(list, nBlocks);
+  const blocks = Uint32Array.from(list);
+  let got: unknown;
+  try {
+    checkGrantBlocks(blocks, blocks.length, nBlocks);
+  } catch (e) {
+    got = e;
   }
+  if (want === undefined) {
+    expect(got).toBeUndefined();
+    return;
+  }
+  expect(got).toBeInstanceOf(InvalidInputError);
+  expect((got as InvalidInputError).details).toMatchObject({ field: 'blocks', range: want.range });
+  expect((got as Error).message).toMatch(want.kind === 'bounds' ? /is outside the registration/ : /repeats blocks\[\d+\]/);
 }
 
 describe('checkGrantBlocks', () => {
   it('property: refuses exactly the lists with an index out of bounds or a repeat, naming the lowest such index', () => {
-    // Small registrations (the bitmap), huge ones (the sorted copy), and sorted lists (one pass).
+    // Small registrations (the stamp table), huge ones (the sorted copy), and sorted lists (one pass).
     const n = fc.oneof(fc.integer({ min: 1, max: 80 }), fc.integer({ min: 32 * gridBitmapWords(64) + 1, max: 2 ** 32 - 1 }));
     fc.assert(
       fc.property(n, fc.array(fc.nat(100), { minLength: 1, maxLength: 64 }), fc.boolean(), fc.boolean(), (nBlocks, raw, sorted, huge) => {
         const list = huge ? raw.map((b) => (b * 0x3fffffff) % 2 ** 32) : raw;
         if (sorted) list.sort((x, y) => x - y);
-        const want = modelError(list, nBlocks);
-        const blocks = Uint32Array.from(list);
-        let got: unknown;
-        try {
-          checkGrantBlocks(blocks, blocks.length, nBlocks);
-        } catch (e) {
-          got = e;
-        }
-        if (want === undefined) expect(got).toBeUndefined();
-        else {
-          expect(got).toBeInstanceOf(InvalidInputError);
-          expect((got as InvalidInputError).details).toMatchObject({ field: 'blocks', range: want.range });
-          expect((got as Error).message).toMatch(want.kind === 'bounds' ? /is outside the registration/ : /repeats blocks\[\d+\]/);
-        }
+        expectModel(list, nBlocks);
       }),
       { numRuns: 2000 },
     );
@@ -78,16 +75,7 @@ describe('checkGrantBlocks', () => {
         const list = Array.from({ length: 10_000 }, (_, k) => Math.floor(k / 250) * stride + ((k % 250) * 7 + seed) % Math.min(250, stride));
         if (fault === 'repeat' && at !== from) list[Math.max(at, from)] = list[Math.min(at, from)] as number;
         if (fault === 'bounds') list[at] = nBlocks + (seed % 3);
-        const want = modelError(list, nBlocks);
-        const blocks = Uint32Array.from(list);
-        let got: unknown;
-        try {
-          checkGrantBlocks(blocks, blocks.length, nBlocks);
-        } catch (e) {
-          got = e;
-        }
-        if (want === undefined) expect(got).toBeUndefined();
-        else expect((got as InvalidInputError).details).toMatchObject({ field: 'blocks', range: want.range });
+        expectModel(list, nBlocks);
       }),
       { numRuns: 150 },
     );

@@ -5,17 +5,8 @@
  */
 import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
-import { GRANT_STRIDE, InvalidInputError, TransferEngine, decodeDescriptor, silentLogger, type GrantRanges } from '../src/index.js';
-import { MemTransport } from './helpers/mem-transport.js';
-
-/** A MemTransport that remembers the GrantRanges the engine handed it. */
-class SpyTransport extends MemTransport {
-  last: GrantRanges | undefined;
-  override grant(spec: GrantRanges) {
-    this.last = spec;
-    return super.grant(spec);
-  }
-}
+import { GRANT_STRIDE, InvalidInputError, TransferEngine, decodeDescriptor, silentLogger } from '../src/index.js';
+import { SpyTransport } from './helpers/mem-transport.js';
 
 type R = readonly [number, number, number];
 /** Whether ranges i and j (i !== j) are of one registration and share a byte. */

@@ -52,6 +52,20 @@ function shmNames(): string[] {
   return readdirSync('/dev/shm').filter((n) => n.startsWith('tw-'));
 }
 
+/** Set a u32 (little-endian) of a mapping; returns what puts the old value back. */
+function swap32(dv: DataView, at: number, value: number): () => void {
+  const old = dv.getUint32(at, true);
+  dv.setUint32(at, value, true);
+  return () => dv.setUint32(at, old, true);
+}
+
+/** The same for a byte. */
+function swap8(dv: DataView, at: number, value: number): () => void {
+  const old = dv.getUint8(at);
+  dv.setUint8(at, value);
+  return () => dv.setUint8(at, old);
+}
+
 function payloadOf(descriptor: Uint8Array): Uint8Array {
   return decodeDescriptor(descriptor).transports.get('cuda-ipc') as Uint8Array;
 }
@@ -557,17 +571,6 @@ describe('cuda-ipc range grants', () => {
     await g.revoke();
     await reg.revoke();
     releaseSharedMemory(region);
-
-    function swap32(dv: DataView, at: number, value: number): () => void {
-      const old = dv.getUint32(at, true);
-      dv.setUint32(at, value, true);
-      return () => dv.setUint32(at, old, true);
-    }
-    function swap8(dv: DataView, at: number, value: number): () => void {
-      const old = dv.getUint8(at);
-      dv.setUint8(at, value);
-      return () => dv.setUint8(at, old);
-    }
   });
 
   it('a block grant is one record whose table holds the block indices; reads land block blocks[k]; a hostile block table is refused', async () => {
@@ -630,11 +633,6 @@ describe('cuda-ipc range grants', () => {
     }
     await tb.revoke(small.handle);
     // A hostile owner edits a block table: every edit is refused, typed, with no byte moved.
-    const swap32 = (dv: DataView, at: number, value: number): (() => void) => {
-      const old = dv.getUint32(at, true);
-      dv.setUint32(at, value, true);
-      return () => dv.setUint32(at, old, true);
-    };
     const tampers: [string, (t: ReturnType<typeof tableOf>, table: number) => () => void, string][] = [
       ['an unknown table form', (x) => swap32(x.dv, x.recordAt + 44, 7), 'bad-grant'],
       ['a count other than the payload’s', (x) => swap32(x.dv, x.recordAt + 40, 5), 'bad-grant'],

@@ -121,6 +121,15 @@ export class MemTransport implements Transport {
   }
 }
 
+/** A MemTransport that remembers the GrantRanges the engine handed it last. */
+export class SpyTransport extends MemTransport {
+  last: GrantRanges | undefined;
+  override grant(spec: GrantRanges): { handle: object; payload: Uint8Array } {
+    this.last = spec;
+    return super.grant(spec);
+  }
+}
+
 export class MemConnection implements TransportConnection {
   readonly transport: string;
   readonly peer: NodeIdentity;
