@@ -7,7 +7,7 @@
  * argv: regionBytes seed shared(1|0)
  */
 import net from 'node:net';
-import { TcpTransport, TransferEngine, silentLogger, type GrantRange } from '@tensorwire/core';
+import { TcpTransport, TransferEngine, silentLogger, type GrantRange, type GrantSpec } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockServer, engineGrants } from '@tensorwire/lock-client/server';
@@ -76,14 +76,14 @@ const lock = new LockServer({ holderId: 'kv-holder', lockTimeoutMs: 30_000, maxB
 const lockPort = await lock.listen('127.0.0.1:0');
 
 /**
- * µs per engine.grant (and per revoke) over `n` scattered ranges of the region; median of runs.
- * `sorted`: ranges at stride 7919 blocks, in offset order (the overlap check is then one pass);
+ * The spec of an engine.grant over `n` scattered `size`-byte ranges of the region. `sorted`:
+ * ranges at stride 7919 blocks, in offset order (the overlap check is then one pass);
  * unsorted: the order of a real lease's blocks, layer-major with random block ids per layer
  * (kv-shape.ts scatter, {@link grantLayers} layers), so offsets rise across layers only.
  * `blocks`: the same ranges as a block grant (blocks of `size` by index, what engineGrants makes
  * of a lease on the region's grid), else as a range grant (a Float64Array of ranges).
  */
-async function grantCost(n: number, size: number, sorted: boolean, blocks: boolean): Promise<{ grantUs: number; revokeUs: number }> {
+function grantSpec(n: number, size: number, sorted: boolean, blocks: boolean): GrantSpec {
   let offsets: number[] | Float64Array;
   if (sorted) {
     const slots = Math.floor(regionBytes / size);
@@ -98,21 +98,33 @@ async function grantCost(n: number, size: number, sorted: boolean, blocks: boole
     ranges.set([0, offsets[k] as number, size], k * 3);
     indices[k] = (offsets[k] as number) / size;
   }
-  const spec = blocks ? { registration: reg, blockBytes: size, blocks: indices } : { registrations: [reg], ranges };
-  const runs = Math.max(5, Math.min(2000, Math.floor(200_000 / n)));
-  const g: number[] = [];
-  const r: number[] = [];
+  return blocks ? { registration: reg, blockBytes: size, blocks: indices } : { registrations: [reg], ranges };
+}
+
+/**
+ * µs per engine.grant (and per revoke) for each of `sizes` ranges, median of `runs` samples
+ * each, the sizes interleaved sample by sample (a grant over 10 ranges and one over 10,000 are
+ * measured at the same time: the flatness ratio compares them).
+ */
+async function grantCosts(sizes: readonly number[], size: number, sorted: boolean, blocks: boolean, runs: number): Promise<{ grantUs: number; revokeUs: number }[]> {
+  const specs = sizes.map((n) => grantSpec(n, size, sorted, blocks));
+  const g: number[][] = sizes.map(() => []);
+  const r: number[][] = sizes.map(() => []);
   for (let i = 0; i < runs; i++) {
-    const t0 = process.hrtime.bigint();
-    const grant = await engine.grant(spec);
-    const t1 = process.hrtime.bigint();
-    await grant.revoke();
-    const t2 = process.hrtime.bigint();
-    g.push(Number(t1 - t0) / 1e3);
-    r.push(Number(t2 - t1) / 1e3);
+    for (let j = 0; j < specs.length; j++) {
+      // Rotating the order each run, so no size always follows the same one.
+      const k = (i + j) % specs.length;
+      const t0 = process.hrtime.bigint();
+      const grant = await engine.grant(specs[k] as GrantSpec);
+      const t1 = process.hrtime.bigint();
+      await grant.revoke();
+      const t2 = process.hrtime.bigint();
+      (g[k] as number[]).push(Number(t1 - t0) / 1e3);
+      (r[k] as number[]).push(Number(t2 - t1) / 1e3);
+    }
   }
   const med = (x: number[]): number => x.sort((a, b) => a - b)[Math.floor(x.length / 2)] as number;
-  return { grantUs: med(g), revokeUs: med(r) };
+  return sizes.map((_, k) => ({ grantUs: med(g[k] as number[]), revokeUs: med(r[k] as number[]) }));
 }
 
 /** The way before range grants: one engine registration per block per lease (µs each), and its revoke. */
@@ -156,12 +168,17 @@ ipc.onMessage((m) => {
       const unsorted: Row[] = [];
       const blockRows: Row[] = [];
       const blockUnsorted: Row[] = [];
-      // Range and block grants of each size back to back (the same ranges), so both see the same machine.
-      for (const n of m['ranges'] as number[]) {
-        rows.push({ ranges: n, ...(await grantCost(n, size, true, false)) });
-        blockRows.push({ ranges: n, ...(await grantCost(n, size, true, true)) });
-        unsorted.push({ ranges: n, layers: grantLayers(n), ...(await grantCost(n, size, false, false)) });
-        blockUnsorted.push({ ranges: n, layers: grantLayers(n), ...(await grantCost(n, size, false, true)) });
+      // Per form and order, every size interleaved sample by sample (see grantCosts).
+      const sizes = m['ranges'] as number[];
+      const runs = Number(m['runs'] ?? 200);
+      for (const [sorted, blocks, out] of [
+        [true, false, rows],
+        [true, true, blockRows],
+        [false, false, unsorted],
+        [false, true, blockUnsorted],
+      ] as const) {
+        const costs = await grantCosts(sizes, size, sorted, blocks, runs);
+        for (const [k, n] of sizes.entries()) out.push({ ranges: n, ...(sorted ? {} : { layers: grantLayers(n) }), ...(costs[k] as { grantUs: number; revokeUs: number }) });
       }
       const perBlock = await registerCost(Number(m['registerBlocks']), size);
       ipc.send({ type: 'grant-cost', rows, unsorted, blockRows, blockUnsorted, perBlock, counters: grants.counters(), lock: lock.counters() });
