@@ -331,7 +331,8 @@ export interface GrantRange {
 }
 
 /**
- * What {@link TransferEngine.grant} takes: a list of ranges, or the same as typed arrays
+ * What {@link TransferEngine.grant} takes: a list of ranges, blocks of one registration by index
+ * ({@link GrantBlocksSpec}), or ranges as typed arrays
  * (`ranges` holds `GRANT_STRIDE` numbers per range: index into `registrations`, offset,
  * length), which costs no object per range. The engine keeps a private copy of `ranges`,
  * made before `grant()` returns its promise (so the caller may refill the same array for the
@@ -973,6 +974,8 @@ export class TransferEngine {
    * covers all the ranges, the descriptor carries their lengths compactly, and `revoke()` is
    * O(1) in the number of ranges. Registrations stay registered; grant per lease. Ranges must
    * lie inside their registrations, be non-empty, not overlap, and all be of one memory kind.
+   * Memory laid out as blocks of one size is granted cheapest by index ({@link GrantBlocksSpec}):
+   * four bytes and one compare per block, so 10,000 blocks cost about what 10 do.
    * By default every transport that registered all the memory and supports range grants
    * grants it; `transports` names them (then each must succeed).
    */
