@@ -269,6 +269,7 @@ describe('tcp block grants answer raw frames', () => {
       expect(() => holder.t.grant({ handles: [reg.handle, reg.handle], count: 1, bytes: BLOCK, blocks: { base: 0, blockBytes: BLOCK, indices: Uint32Array.of(0) }, ranges: new Float64Array(0) })).toThrow(InvalidInputError);
       expect(() => holder.t.grant({ handles: [reg.handle], count: 2, bytes: BLOCK, blocks: { base: 0, blockBytes: BLOCK, indices: Uint32Array.of(0) }, ranges: new Float64Array(0) })).toThrow(InvalidInputError);
       expect(() => holder.t.grant({ handles: [reg.handle], count: 1, bytes: 0, blocks: { base: 0, blockBytes: 0, indices: Uint32Array.of(0) }, ranges: new Float64Array(0) })).toThrow(InvalidInputError);
+      expect(() => holder.t.grant({ handles: [reg.handle], count: 1, bytes: 1, blocks: null as unknown as undefined, ranges: new Float64Array(0) })).toThrow(InvalidInputError);
     } finally {
       await holder.t.close();
     }

@@ -166,8 +166,8 @@ export class RangeGrant extends GrantEntry {
 const NO_RANGES = new Float64Array(0);
 
 /**
- * Where granted range `k` of `e` starts in its buffer, and which buffer: for the serving paths
- * (one branch on the grant's form, no object).
+ * Where granted range `k` of `e` starts in its buffer ({@link grantedBuffer}): for the serving
+ * paths (one branch on the grant's form, no object).
  */
 export function grantedOffset(e: GrantEntry, k: number): number {
   const b = e.blocks;
@@ -267,6 +267,8 @@ export class GrantTable {
       }
     } else if (
       !counted ||
+      typeof blocks !== 'object' ||
+      blocks === null ||
       !(blocks.indices instanceof Uint32Array) ||
       blocks.indices.length < count ||
       !Number.isSafeInteger(blocks.base) ||
