@@ -1126,25 +1126,15 @@ export class TransferEngine {
   /** A range grant's registrations and the engine's copy of its ranges (pooled unless built or taken). */
   #copyRanges(spec: GrantSpec): GrantCopy {
     const { regs, ranges: source, count, owned } = normalizeGrantSpec(spec, this.maxGrantRanges);
-    const n = count * GRANT_STRIDE;
-    const pool = this.#rangePool;
-    const copy = owned ? undefined : pool.take(n);
-    if (copy !== undefined) copy.view.set(source.length === n ? source : source.subarray(0, n));
-    const backing = copy?.backing;
-    const give = backing === undefined ? undefined : (): void => pool.give(backing);
-    return { regs, count, ranges: copy === undefined ? source : copy.view, blocks: undefined, unused: give ?? noop, recycle: give };
+    const { view, give } = this.#rangePool.privateCopy(source, count * GRANT_STRIDE, owned);
+    return { regs, count, ranges: view, blocks: undefined, unused: give ?? noop, recycle: give };
   }
 
   /** A block grant's registration and the engine's copy of its block indices (pooled unless taken). */
   #copyBlocks(spec: GrantBlocksSpec): GrantCopy {
     const b = normalizeBlocksSpec(spec, this.maxGrantRanges);
-    const pool = this.#blockPool;
-    const copy = b.owned ? undefined : pool.take(b.count);
-    if (copy !== undefined) copy.view.set(b.blocks.length === b.count ? b.blocks : b.blocks.subarray(0, b.count));
-    const backing = copy?.backing;
-    const give = backing === undefined ? undefined : (): void => pool.give(backing);
-    const indices = copy === undefined ? b.blocks : copy.view;
-    return { regs: [b.reg], count: b.count, ranges: undefined, blocks: { base: b.base, blockBytes: b.blockBytes, indices }, unused: give ?? noop, recycle: give };
+    const { view, give } = this.#blockPool.privateCopy(b.blocks, b.count, b.owned);
+    return { regs: [b.reg], count: b.count, ranges: undefined, blocks: { base: b.base, blockBytes: b.blockBytes, indices: view }, unused: give ?? noop, recycle: give };
   }
 
   #validateMemory(memory: Memory): void {

@@ -77,6 +77,18 @@ export class RangePool<T extends Float64Array | Uint32Array = Float64Array> {
     const b = backing ?? this.#make(cap);
     return { view: n === cap ? b : (b.subarray(0, n) as T), backing: b };
   }
+  /**
+   * The engine's private copy of the first `n` numbers of `source` (`source` itself when it is
+   * the engine's already: `owned`), and what hands a pooled copy back once nothing uses it
+   * (undefined when there is nothing to hand back).
+   */
+  privateCopy(source: T, n: number, owned: boolean): { view: T; give: (() => void) | undefined } {
+    if (owned) return { view: source, give: undefined };
+    const copy = this.take(n);
+    copy.view.set(source.length === n ? source : source.subarray(0, n));
+    const backing = copy.backing;
+    return { view: copy.view, give: backing === undefined ? undefined : () => this.give(backing) };
+  }
   /** Hand a backing from {@link take} back, once nothing uses it. */
   give(backing: T): void {
     const cap = backing.length;

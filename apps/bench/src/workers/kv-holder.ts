@@ -92,13 +92,10 @@ function grantSpec(n: number, size: number, sorted: boolean, blocks: boolean): G
     const layers = grantLayers(n);
     offsets = scatter({ blockBytes: size, layers, blocks: n / layers }, regionBytes, rng(0x9e3779b9 ^ n));
   }
+  if (blocks) return { registration: reg, blockBytes: size, blocks: Uint32Array.from(offsets, (o) => o / size) };
   const ranges = new Float64Array(n * 3);
-  const indices = new Uint32Array(n);
-  for (let k = 0; k < n; k++) {
-    ranges.set([0, offsets[k] as number, size], k * 3);
-    indices[k] = (offsets[k] as number) / size;
-  }
-  return blocks ? { registration: reg, blockBytes: size, blocks: indices } : { registrations: [reg], ranges };
+  for (let k = 0; k < n; k++) ranges.set([0, offsets[k] as number, size], k * 3);
+  return { registrations: [reg], ranges };
 }
 
 /**
