@@ -104,6 +104,7 @@ export type KvMethod =
   | 'same-host-read'
   | 'same-host-leased'
   | 'same-host-leased-unary'
+  | 'same-host-leased-ids'
   | 'tcp-prepared'
   | 'tcp-read'
   | 'tcp-leased'
@@ -111,6 +112,14 @@ export type KvMethod =
   | 'raw'
   | 'memcpy'
   | 'memcpy-shm';
+
+/**
+ * The holder's numbered block space of `blockBytes` blocks (block n: bytes [n × blockBytes, +
+ * blockBytes) of its region): the leased fetches name their blocks by number in it.
+ */
+export function kvSpace(blockBytes: number): string {
+  return `kv-${blockBytes}`;
+}
 
 /**
  * The lock-service block id of the descriptor at `offset` of `blockBytes` in the holder's region:

@@ -38,7 +38,7 @@ import { fetchBlocks, type FetchDestination, type FetchGuard, type FetchOptions 
 import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
 import { HolderLane, type LaneHooks, type LaneStats, type LaneTransport, type ReleaseResult, type RetryBudget } from './holder-lane.js';
-import { blockIdProblem, occursBefore, PAIRWISE_MAX } from './ids.js';
+import { blockIdProblem, numberedBlockIds, occursBefore, PAIRWISE_MAX, type NumberedBlocks } from './ids.js';
 import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type ClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
@@ -207,6 +207,39 @@ function sleep(ms: number, signal: AbortSignal): Promise<void> {
   });
 }
 
+/**
+ * The blocks of an acquire, checked: ids (each well formed, none twice), or numbered blocks
+ * (`{ owner, numbers: Uint32Array }`, non-empty; returned as a frozen copy). Repeated numbers are
+ * left to the holder, which refuses them INVALID_ARGUMENT with one pass over its pin table.
+ */
+function checkBlocks(blocks: readonly string[] | NumberedBlocks): NumberedBlocks | undefined {
+  if (Array.isArray(blocks)) {
+    const blockIds = blocks as readonly string[];
+    if (blockIds.length === 0) throw new InvalidInputError('block list is empty', { details: { field: 'blockIds' } });
+    // Checked in order, each id for its form and then for repeating an earlier one.
+    const n = blockIds.length;
+    const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
+    for (let i = 0; i < n; i++) {
+      const id = blockIds[i] as string;
+      const problem = blockIdProblem(id);
+      if (problem !== undefined) throw new InvalidInputError(`block id: ${problem}`, { details: { field: 'blockIds' } });
+      if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) {
+        throw new InvalidInputError(`block id ${JSON.stringify(id)} appears twice`, { details: { field: 'blockIds' } });
+      }
+      seen?.add(id);
+    }
+    return undefined;
+  }
+  const b = blocks as Partial<NumberedBlocks> | null | undefined;
+  if (b === null || typeof b !== 'object' || !(b.numbers instanceof Uint32Array)) {
+    throw new InvalidInputError('blocks must be a list of block ids or { owner, numbers: Uint32Array }', { details: { field: 'blocks' } });
+  }
+  const problem = ownerProblem(b.owner);
+  if (problem !== undefined) throw new InvalidInputError(`blocks.owner: ${problem}`, { details: { field: 'blocks.owner' } });
+  if (b.numbers.length === 0) throw new InvalidInputError('block list is empty', { details: { field: 'blocks.numbers' } });
+  return Object.freeze({ owner: b.owner as string, numbers: b.numbers.slice() });
+}
+
 /** Failures after which the holder may still have granted the acquire. */
 function mayHaveGranted(error: TensorwireError): boolean {
   const code = error.details['grpcCode'];
@@ -225,7 +258,11 @@ interface LeaseRecord {
   readonly holder: string;
   readonly holderId: string;
   readonly sessionId: string;
-  readonly blockIds: readonly string[];
+  /** The ids as given, or (a lease by number) formatted on first use. */
+  blockIds: readonly string[] | undefined;
+  /** A lease by number: the owner and the numbers (the client's copy). */
+  readonly blocks: NumberedBlocks | undefined;
+  readonly blockCount: number;
   readonly lockTimeoutMs: number;
   /** The response's per-block entries: only blocks with descriptors (a holder that honours omit_empty_blocks), or every block. */
   readonly blockGrants: readonly BlockGrantMsg[];
@@ -253,6 +290,11 @@ interface LeaseRecord {
 
 const NO_DESCRIPTORS: readonly Uint8Array[] = Object.freeze([]);
 
+/** The lease's block ids (a lease by number: formatted once, on first use). */
+function recordIds(r: LeaseRecord): readonly string[] {
+  return (r.blockIds ??= numberedBlockIds(r.blocks as NumberedBlocks));
+}
+
 /**
  * The lease's descriptors per block, made once: every block of the lease, with what the holder
  * listed for it (a holder that honours omit_empty_blocks lists only blocks that have some).
@@ -260,7 +302,7 @@ const NO_DESCRIPTORS: readonly Uint8Array[] = Object.freeze([]);
 function descriptorMap(r: LeaseRecord): ReadonlyMap<string, readonly Uint8Array[]> {
   if (r.descriptorMap === undefined) {
     const m = new Map<string, readonly Uint8Array[]>();
-    for (const id of r.blockIds) m.set(id, NO_DESCRIPTORS);
+    for (const id of recordIds(r)) m.set(id, NO_DESCRIPTORS);
     for (const b of r.blockGrants) m.set(b.blockId, b.descriptors);
     r.descriptorMap = m;
   }
@@ -295,8 +337,17 @@ export class LockGuard implements AsyncDisposable {
   get holderId(): string {
     return this.#r.holderId;
   }
+  /** The lease's block ids, in request order (a lease by number: `block:<owner>:<n>`, formatted on first use). */
   get blockIds(): readonly string[] {
-    return this.#r.blockIds;
+    return recordIds(this.#r);
+  }
+  /** A lease by number: the owner and the numbers, in request order (read it, do not write it). Undefined for a lease by id. */
+  get blocks(): NumberedBlocks | undefined {
+    return this.#r.blocks;
+  }
+  /** How many blocks the lease holds. */
+  get blockCount(): number {
+    return this.#r.blockCount;
   }
   /** The holder's lock timeout: the longest lease it grants (ms). */
   get lockTimeoutMs(): number {
@@ -650,7 +701,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   }
 
   /**
-   * The remote fetch flow in one call: lease `blockIds` on `holder`, read block i into
+   * The remote fetch flow in one call: lease `blocks` on `holder` (ids, or numbers of one of its
+   * numbered block spaces: `{ owner, numbers }`), read block i into
    * `destinations[i]` through `engine` (one batch, over the transport the engine chooses for
    * the holder: the same-host one on one host), check every block's length, and return a
    * guard that holds the lease until disposed. On any failure the lease is released before
@@ -659,33 +711,24 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
    *
    * `await using fetch = await client.fetch(engine, holder, blockIds, destinations, { deadline, signal })`
    */
-  fetch(engine: TransferEngine, holder: string, blockIds: readonly string[], destinations: readonly FetchDestination[], options: FetchOptions = {}): Promise<FetchGuard> {
-    return fetchBlocks((h, ids, o) => this.acquire(h, ids, o), engine, holder, blockIds, destinations, options);
+  fetch(engine: TransferEngine, holder: string, blocks: readonly string[] | NumberedBlocks, destinations: readonly FetchDestination[], options: FetchOptions = {}): Promise<FetchGuard> {
+    return fetchBlocks((h, b, o) => this.acquire(h, b, o), engine, holder, blocks, destinations, options);
   }
 
   /**
-   * Pin `blockIds` on `holder` (`host:port`) under a lease. Resolves to a guard; use it as
+   * Pin `blocks` on `holder` (`host:port`) under a lease: block ids, or blocks of one of the
+   * holder's numbered spaces by number (`{ owner, numbers: Uint32Array }`: block n is
+   * `block:<owner>:<n>`; the owner once and the numbers packed on the wire, no string per block
+   * on either side). Resolves to a guard; use it as
    * `await using lock = await client.acquire(holder, blocks)`. Rejects with typed errors
    * (InvalidInputError, ResourceExhaustedError, RemoteRejectedError, ConnectionBrokenError,
    * TimedOutError, AbortedError, ClosedError). If the call is abandoned after it may have
    * reached the holder, the possible grant is released at once.
    */
-  async acquire(holder: string, blockIds: readonly string[], options: AcquireOptions = {}): Promise<LockGuard> {
+  async acquire(holder: string, blocks: readonly string[] | NumberedBlocks, options: AcquireOptions = {}): Promise<LockGuard> {
     if (this.#isClosing) throw new ClosedError('lock client is closed');
     if (typeof holder !== 'string' || holder.length === 0) throw new InvalidInputError('holder address is empty', { details: { field: 'holder' } });
-    if (!Array.isArray(blockIds) || blockIds.length === 0) throw new InvalidInputError('block list is empty', { details: { field: 'blockIds' } });
-    // Checked in order, each id for its form and then for repeating an earlier one.
-    const n = blockIds.length;
-    const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
-    for (let i = 0; i < n; i++) {
-      const id = blockIds[i] as string;
-      const problem = blockIdProblem(id);
-      if (problem !== undefined) throw new InvalidInputError(`block id: ${problem}`, { details: { field: 'blockIds' } });
-      if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) {
-        throw new InvalidInputError(`block id ${JSON.stringify(id)} appears twice`, { details: { field: 'blockIds' } });
-      }
-      seen?.add(id);
-    }
+    const numbered = checkBlocks(blocks);
     const leaseMs = options.leaseMs ?? 0;
     if (!Number.isFinite(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) {
       throw new InvalidInputError(`leaseMs must be between 0 and 2^32-1, got ${leaseMs}`, { details: { field: 'leaseMs' } });
@@ -694,8 +737,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     const signal = options.signal;
     if (signal?.aborted) throw errorFromSignal(signal, 'acquire');
 
-    // One frozen copy serves the request (the codec only reads it) and the guard.
-    const ids = Object.freeze([...blockIds]);
+    // One frozen copy serves the request (the codec only reads it) and the guard; numbers: one copy.
+    const ids = numbered === undefined ? Object.freeze([...(blocks as readonly string[])]) : undefined;
     const acquireId = randomToken();
     const until = now() + timeoutMs;
     const retry = this.#opts.releaseRetry ?? {};
@@ -709,7 +752,9 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
           holder,
           'acquire',
           'Acquire',
-          { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true },
+          numbered === undefined
+            ? { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true }
+            : { requesterId: this.requesterId, blockIds: [], blockOwner: numbered.owner, blockNumbers: numbered.numbers, leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true },
           Math.max(1, until - sentAt),
           signal,
           true,
@@ -747,6 +792,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       holderId: res.holderId,
       sessionId: res.sessionId,
       blockIds: ids,
+      blocks: numbered,
+      blockCount: numbered === undefined ? (ids as readonly string[]).length : numbered.numbers.length,
       lockTimeoutMs: res.lockTimeoutMs,
       blockGrants: res.blocks,
       descriptorMap: undefined,

@@ -94,6 +94,8 @@ interface RawAcquireRequest {
   leaseMs: number;
   acquireId: string;
   omitEmptyBlocks: boolean;
+  blockOwner: string;
+  blockNumbers: number[];
 }
 interface RawBlockGrant {
   blockId: string;
@@ -160,14 +162,21 @@ const utf8 = new TextEncoder();
  * them ASCII (as many bytes written as characters read). Fields and presence as protobufjs's
  * generated encoder writes them (a field that is set is written, defaults included). Returns
  * undefined when the message does not fit this path (an id of 128 characters or more, a
- * non-ASCII id, a field of an unexpected type): the caller then uses protobufjs.
+ * non-ASCII id, a field of an unexpected type): the caller then uses protobufjs. Block numbers
+ * (from a Uint32Array) are written packed, as protobufjs writes them.
  */
 function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
   const ids = m.blockIds;
-  const { requesterId, leaseMs, acquireId, omitEmptyBlocks } = m;
+  const { requesterId, leaseMs, acquireId, omitEmptyBlocks, blockOwner, blockNumbers } = m;
   if (!Array.isArray(ids) || typeof requesterId !== 'string' || typeof acquireId !== 'string') return undefined;
   if (typeof leaseMs !== 'number' || !Number.isInteger(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) return undefined;
   if (omitEmptyBlocks !== undefined && typeof omitEmptyBlocks !== 'boolean') return undefined;
+  if (blockOwner !== undefined && typeof blockOwner !== 'string') return undefined;
+  // Numbers only from a Uint32Array here (every element a uint32 by construction).
+  if (blockNumbers !== undefined && !(blockNumbers instanceof Uint32Array)) return undefined;
+  const ownerBytes = blockOwner === undefined ? -1 : Buffer.byteLength(blockOwner, 'utf8');
+  let packed = 0;
+  if (blockNumbers !== undefined) for (let i = 0; i < blockNumbers.length; i++) packed += varintSize(blockNumbers[i] as number);
   let framed = '';
   for (let i = 0; i < ids.length; i++) {
     const id = ids[i];
@@ -176,7 +185,15 @@ function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
   }
   const requesterBytes = Buffer.byteLength(requesterId, 'utf8');
   const acquireBytes = Buffer.byteLength(acquireId, 'utf8');
-  const size = fieldSize(requesterBytes) + framed.length + 1 + varintSize(leaseMs) + fieldSize(acquireBytes) + (omitEmptyBlocks === undefined ? 0 : 2);
+  const size =
+    fieldSize(requesterBytes) +
+    framed.length +
+    1 +
+    varintSize(leaseMs) +
+    fieldSize(acquireBytes) +
+    (omitEmptyBlocks === undefined ? 0 : 2) +
+    (ownerBytes < 0 ? 0 : fieldSize(ownerBytes)) +
+    (packed === 0 ? 0 : fieldSize(packed));
   const buf = Buffer.allocUnsafe(size);
   let pos = 0;
   buf[pos++] = 0x0a; // 1: requester_id
@@ -195,6 +212,24 @@ function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
   if (omitEmptyBlocks !== undefined) {
     buf[pos++] = 0x28; // 5: omit_empty_blocks
     buf[pos++] = omitEmptyBlocks ? 1 : 0;
+  }
+  if (blockOwner !== undefined) {
+    buf[pos++] = 0x32; // 6: block_owner
+    pos = writeVarint(buf, pos, ownerBytes);
+    pos += buf.write(blockOwner, pos, 'utf8');
+  }
+  if (packed > 0) {
+    buf[pos++] = 0x3a; // 7: block_numbers, packed (as protobufjs writes a non-empty repeated uint32)
+    pos = writeVarint(buf, pos, packed);
+    const ns = blockNumbers as Uint32Array;
+    for (let i = 0; i < ns.length; i++) {
+      let v = ns[i] as number;
+      while (v >= 0x80) {
+        buf[pos++] = (v & 0x7f) | 0x80;
+        v >>>= 7;
+      }
+      buf[pos++] = v;
+    }
   }
   if (pos !== size) throw new Error(`AcquireRequest encoder wrote ${pos} bytes, expected ${size}`);
   return buf;
@@ -290,7 +325,15 @@ export function createLockCodec(protoPath: string): LockCodec {
       },
       decode: (b) => {
         const r = dec<RawAcquireRequest>(tAcquireReq, b);
-        return { requesterId: r.requesterId, blockIds: list(r.blockIds), leaseMs: r.leaseMs, acquireId: r.acquireId, omitEmptyBlocks: r.omitEmptyBlocks };
+        return {
+          requesterId: r.requesterId,
+          blockIds: list(r.blockIds),
+          leaseMs: r.leaseMs,
+          acquireId: r.acquireId,
+          omitEmptyBlocks: r.omitEmptyBlocks,
+          blockOwner: r.blockOwner,
+          blockNumbers: list(r.blockNumbers),
+        };
       },
     },
     AcquireResponse: {

@@ -21,6 +21,7 @@ import {
 } from '@tensorwire/core';
 import type { AcquireOptions, LockGuard, ReleaseResult } from './client.js';
 import { decodeFetchDescriptor } from './fetch-descriptor.js';
+import type { NumberedBlocks } from './ids.js';
 
 /** Where one block lands: a registration of the requester's engine, at `offset`. */
 export interface FetchDestination {
@@ -61,15 +62,17 @@ export class FetchGuard implements AsyncDisposable {
 
 /** @internal The body of {@link LockClient.fetch}, given its acquire. */
 export async function fetchBlocks(
-  acquire: (holder: string, blockIds: readonly string[], options: AcquireOptions) => Promise<LockGuard>,
+  acquire: (holder: string, blocks: readonly string[] | NumberedBlocks, options: AcquireOptions) => Promise<LockGuard>,
   engine: TransferEngine,
   holder: string,
-  blockIds: readonly string[],
+  blocks: readonly string[] | NumberedBlocks,
   destinations: readonly FetchDestination[],
   options: FetchOptions,
 ): Promise<FetchGuard> {
-  if (!Array.isArray(destinations) || destinations.length !== blockIds.length) {
-    throw new InvalidInputError(`fetch needs one destination per block (${blockIds.length} blocks, ${Array.isArray(destinations) ? destinations.length : 0} destinations)`, {
+  // The blocks themselves are checked by the acquire; here only their count.
+  const count = Array.isArray(blocks) ? blocks.length : (blocks as Partial<NumberedBlocks> | null)?.numbers instanceof Uint32Array ? (blocks as NumberedBlocks).numbers.length : 0;
+  if (!Array.isArray(destinations) || destinations.length !== count) {
+    throw new InvalidInputError(`fetch needs one destination per block (${count} blocks, ${Array.isArray(destinations) ? destinations.length : 0} destinations)`, {
       details: { field: 'destinations' },
     });
   }
@@ -78,7 +81,7 @@ export async function fetchBlocks(
   }
   const { deadline, ...acquireOptions } = options;
   const timeoutMs = deadline === undefined ? options.timeoutMs : Math.max(1, Math.min(options.timeoutMs ?? Number.POSITIVE_INFINITY, deadline - Date.now()));
-  const lease = await acquire(holder, blockIds, timeoutMs === undefined ? acquireOptions : { ...acquireOptions, timeoutMs });
+  const lease = await acquire(holder, blocks, timeoutMs === undefined ? acquireOptions : { ...acquireOptions, timeoutMs });
   try {
     const leaseDescriptors = lease.leaseDescriptors;
     if (leaseDescriptors.length !== 1) {
@@ -99,15 +102,15 @@ export async function fetchBlocks(
       });
     }
     const lengths = d.rangeLengths ?? Float64Array.of(d.byteLength);
-    if (lengths.length !== blockIds.length) {
-      throw new RemoteRejectedError(`holder ${lease.holderId} granted ${lengths.length} ranges for ${blockIds.length} blocks`, { details: { remoteCode: 'grant-shape' } });
+    if (lengths.length !== count) {
+      throw new RemoteRejectedError(`holder ${lease.holderId} granted ${lengths.length} ranges for ${count} blocks`, { details: { remoteCode: 'grant-shape' } });
     }
-    const requests: TransferRequest[] = new Array<TransferRequest>(blockIds.length);
-    for (let i = 0; i < blockIds.length; i++) {
+    const requests: TransferRequest[] = new Array<TransferRequest>(count);
+    for (let i = 0; i < count; i++) {
       const dest = destinations[i] as FetchDestination;
       const granted = lengths[i] as number;
       if (dest.length !== undefined && dest.length !== granted) {
-        throw new InvalidInputError(`block ${blockIds[i]} is ${granted} bytes on the holder, the destination expects ${dest.length}`, { details: { field: 'destinations', request: i } });
+        throw new InvalidInputError(`block ${lease.blockIds[i] as string} is ${granted} bytes on the holder, the destination expects ${dest.length}`, { details: { field: 'destinations', request: i } });
       }
       requests[i] = { local: dest.local, localOffset: dest.offset ?? 0, remote: d, range: i, length: granted };
     }

@@ -6,6 +6,8 @@
  */
 export { LockClient, LockGuard } from './client.js';
 export { FetchGuard } from './fetch.js';
+export { numberedBlockIds } from './ids.js';
+export type { NumberedBlocks } from './ids.js';
 export type { FetchDestination, FetchOptions } from './fetch.js';
 export { decodeFetchDescriptor, encodeFetchDescriptor } from './fetch-descriptor.js';
 export type { FetchDescriptor } from './fetch-descriptor.js';

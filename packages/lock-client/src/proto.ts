@@ -13,6 +13,7 @@ export const LOCK_SERVICE_NAME = 'tensorwire.lock.v1.LockService';
 
 export interface AcquireRequestMsg {
   requesterId: string;
+  /** Blocks by id; empty when they go by number (`blockOwner`, `blockNumbers`). */
   blockIds: string[];
   leaseMs: number;
   acquireId: string;
@@ -21,6 +22,10 @@ export interface AcquireRequestMsg {
    * left out has none). Absent / false: one entry per requested block, as older holders send.
    */
   omitEmptyBlocks?: boolean;
+  /** Blocks by number: block n is `block:<blockOwner>:<n>` (the holder's numbered block space). */
+  blockOwner?: string;
+  /** Sent from a Uint32Array; decoded as numbers. */
+  blockNumbers?: Uint32Array | number[];
 }
 export interface BlockGrantMsg {
   blockId: string;

@@ -127,6 +127,32 @@ describe('lock protocol codec', () => {
     );
   });
 
+  it('AcquireRequest by number: the packed block numbers from a Uint32Array are the bytes protobufjs writes', () => {
+    const { req } = pairs('Acquire');
+    fc.assert(
+      fc.property(
+        fc.record({
+          requesterId: text,
+          blockIds: fc.array(text, { maxLength: 2 }),
+          leaseMs: u32,
+          acquireId: text,
+          omitEmptyBlocks: fc.boolean(),
+          blockOwner: text,
+          blockNumbers: fc.array(u32, { maxLength: 40 }),
+        }),
+        unknownFields,
+        (m, u) => {
+          agree(req, m, u);
+          // The fast path (a Uint32Array) writes exactly what the reference writes from the list.
+          const fast = req.ours.encode({ ...m, blockNumbers: Uint32Array.from(m.blockNumbers) } as never);
+          expect([...fast]).toEqual([...req.ref.encode(m as never)]);
+          expect((req.ours.decode(fast) as { blockNumbers: number[] }).blockNumbers).toEqual(m.blockNumbers);
+        },
+      ),
+      { numRuns: 300 },
+    );
+  });
+
   it('Release, Renew and Health match protobufjs', () => {
     const rel = pairs('Release');
     const ren = pairs('Renew');

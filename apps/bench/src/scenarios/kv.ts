@@ -102,6 +102,7 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-read': (t) => `${t}: engine.read`,
   'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
   'same-host-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
+  'same-host-leased-ids': (t) => `${t}: client.fetch of the same blocks by id (one string per block)`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
   'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
@@ -159,7 +160,9 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
   if (unavailable !== undefined && s.transport === 'cuda-ipc') {
     return { scenario: 'kv', skipped: `--transport cuda-ipc: the same-host transport is unavailable here (${unavailable})`, measurements: [], ratios: [], verificationFailures: 0, notes: [] };
   }
-  const holder = spawnWorker('kv-holder', [String(s.regionBytes), String(SEED), unavailable === undefined ? '1' : '0']);
+  // Every block size of the run is a numbered block space of the holder (the leased fetches name blocks by number).
+  const blockSizes = [...new Set(s.configs.map((c) => c.blockBytes))];
+  const holder = spawnWorker('kv-holder', [String(s.regionBytes), String(SEED), unavailable === undefined ? '1' : '0', blockSizes.join(',')]);
   let requester: ReturnType<typeof spawnWorker> | undefined;
   try {
     const ready = await holder.next<{ endpoint: string; descriptor: string; rawPort: number; lockAddress: string; transports: string[]; notes: string[] }>((m) => m['type'] === 'ready', ctx.signal);
@@ -170,6 +173,8 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     if (hello.type === 'error') throw new BenchError(`the kv requester failed: ${hello.message}`);
     const methods: KvMethod[] = [];
     for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`, `${l}-leased-unary`);
+    // The lease by id beside the lease by number, on the lane with the goal (same host).
+    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids');
     methods.push('raw', 'memcpy');
     if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
@@ -298,6 +303,19 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
             rounds: saved.rounds,
           });
         }
+        // What naming blocks by number saves: the same leased fetch with one block id string per block.
+        if (lane === 'same-host' && rows.has(`${ci}/same-host-leased-ids`)) {
+          const byId = paired(ci, 'same-host-leased', 'same-host-leased-ids');
+          ratios.push({
+            name: `same-host leased, blocks by number/by id @ ${label(c)}`,
+            subject: NAMES['same-host-leased'](transportOf('same-host-leased')),
+            baseline: NAMES['same-host-leased-ids'](transportOf('same-host-leased-ids')),
+            blockBytes: c.blockBytes,
+            descriptors: descriptorsOf(c),
+            value: byId.value,
+            rounds: byId.rounds,
+          });
+        }
       }
     }
 
@@ -388,7 +406,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
       `each method, per shape and round: untimed warm-up fetches (${s.warmupMs > 0 ? `at least 20, more until they took ${s.warmupMs} ms, at most 1,000` : 'one'}; extra.firstCallMs is the very first call of the method, in round 1: the cold cost), then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}) and, past those, more until the timed calls took ${s.minMs} ms (at most 1,000), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round; a ratio row is the median of its per-round ratios (subject and baseline of the same round; \`rounds\` in the JSON)`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
-      'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s ranges with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead',
+      'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s blocks with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead. The blocks are named by number in the holder\'s numbered block space of the block size (`{ owner: \'kv-<bytes>\', numbers }`: the owner once, the numbers packed; the lease table counts pins in a typed array; the grant is the block grant of the numbers); "by id" is the same fetch naming each block by an id string (`block:kv:<offset>_<bytes>`, looked up in the holder\'s block map, pinned in its map of ids)',
       'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs of 200 samples per size, the sizes interleaved sample by sample (rotating order), in two forms of the same ranges (a block grant, 4 KiB blocks by index, what engineGrants makes of a lease whose blocks lie on the region\'s grid as the kv blocks do; and a range grant, a Float64Array of ranges, for any ranges) and two orders of the same kind of lease: sorted (stride 7919 blocks, in offset order) and unsorted (the order of a real lease\'s blocks: layer-major, the same random block ids in every layer, as the kv fetches; offsets rise only across layers); against engine.register of each 4 KiB block separately (what a lease cost before range grants). The flatness goal (0.5 at 10,000) is on the sorted block-grant rows; the other flatness and per-block ratios are without goals',
       'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
       'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call); verified against the requester\'s shared-segment copy of the pattern, not the buffer it copies from, so that verification does not leave its source in the caches (every method is verified against a buffer it does not read)',

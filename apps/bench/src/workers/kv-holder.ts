@@ -4,14 +4,14 @@
  * is a shared segment from `allocateSharedMemory`, so cuda-ipc grants it zero-copy) and TCP.
  * Also serves the raw baseline: on a plain node:net socket, each request `u64 bytes, u64
  * offset` is answered with region[offset, offset + bytes) in slices of at most 4 MiB.
- * argv: regionBytes seed shared(1|0)
+ * argv: regionBytes seed shared(1|0) blockSizes (comma-separated: a numbered block space for each)
  */
 import net from 'node:net';
 import { TcpTransport, TransferEngine, silentLogger, type GrantRange, type GrantSpec } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockServer, engineGrants } from '@tensorwire/lock-client/server';
-import { grantLayers, parseKvBlockId, rng, scatter } from '../kv-shape.js';
+import { grantLayers, kvSpace, parseKvBlockId, rng, scatter } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { holderTransports } from '../transports.js';
 
@@ -20,6 +20,7 @@ const ipc = workerInit();
 const regionBytes = Number(process.argv[2]);
 const seed = Number(process.argv[3]);
 const shared = process.argv[4] === '1';
+const blockSizes = (process.argv[5] ?? '').split(',').filter((x) => x !== '').map(Number);
 const region = shared ? allocateSharedMemory(regionBytes, `kv-holder-${process.pid}`) : new Uint8Array(regionBytes);
 region.set(pattern(regionBytes, seed));
 const built = shared ? holderTransports() : { transports: [new TcpTransport()], notes: ['holder serves TCP only: its region is not in shared memory'] };
@@ -55,13 +56,16 @@ const raw = net.createServer({ noDelay: true }, (socket) => {
 });
 await new Promise<void>((r) => raw.listen(0, '127.0.0.1', r));
 
-// Leased fetches: the library's flow, one range grant per lease over its blocks (block ids
-// name their offset and length in the region: see kvBlockId). A real holder looks blocks up in
-// its block table; here the parsed ids are kept in a map (bounded), so a pin costs a lookup,
+// Leased fetches: the library's flow, one grant per lease over its blocks. By number (the
+// default): each block size is a numbered block space over the whole region (block n at n ×
+// size), the lease's grant is the block grant of its numbers. By id (the comparison row): block
+// ids name their offset and length in the region (see kvBlockId); a real holder looks blocks up
+// in its block table; here the parsed ids are kept in a map (bounded), so a pin costs a lookup,
 // not a regular expression.
 const blockTable = new Map<string, GrantRange>();
 const grants = engineGrants({
   engine,
+  spaces: Object.fromEntries(blockSizes.map((size) => [kvSpace(size), { registration: reg, blockBytes: size }])),
   blocks: (id) => {
     const known = blockTable.get(id);
     if (known) return known;

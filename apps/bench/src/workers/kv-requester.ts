@@ -30,7 +30,7 @@ import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockClient } from '@tensorwire/lock-client';
-import { bytesOf, kvBlockId, rng, scatter, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
+import { bytesOf, kvBlockId, kvSpace, rng, scatter, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { nowMs } from '../stats.js';
 import { requesterTransports, type TransportChoice } from '../transports.js';
@@ -243,16 +243,22 @@ async function timed(
   return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, firstMs, warmupCalls, ...(transport !== undefined ? { transport } : {}) };
 }
 
-/** Leased: the library's fetch flow per fetch: acquire + one range grant + one batched read + release. */
-async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient): Promise<Omit<KvMethodResult, 'method'>> {
+/**
+ * Leased: the library's fetch flow per fetch: acquire + one grant + one batched read + release.
+ * The blocks by number in the holder's space of `s`-byte blocks, or (`byId`) by id strings.
+ */
+async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient, byId = false): Promise<Omit<KvMethodResult, 'method'>> {
   const ids: string[] = [];
+  const numbers = new Uint32Array(offsets.length);
   const destinations: { local: Registration; offset: number; length: number }[] = [];
   for (let i = 0; i < offsets.length; i++) {
-    ids.push(kvBlockId(offsets[i] as number, s));
+    if (byId) ids.push(kvBlockId(offsets[i] as number, s));
+    numbers[i] = (offsets[i] as number) / s;
     destinations.push({ local: l.reg, offset: i * s, length: s });
   }
+  const blocks = byId ? ids : { owner: kvSpace(s), numbers };
   return timed(offsets, s, fetches, random, async () => {
-    const f = await client.fetch(l.engine, cfg.lockAddress, ids, destinations, { timeoutMs: 10_000 });
+    const f = await client.fetch(l.engine, cfg.lockAddress, blocks, destinations, { timeoutMs: 10_000 });
     await f.release();
     return { transport: f.transport };
   });
@@ -312,7 +318,9 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
         ? await runLeased(l, offsets, s, fetches, random, client)
         : method.endsWith('leased-unary')
           ? await runLeased(l, offsets, s, fetches, random, unaryClient)
-          : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+          : method.endsWith('leased-ids')
+            ? await runLeased(l, offsets, s, fetches, random, client, true)
+            : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
     }
     out.push({ method, ...r });
   }

@@ -12,25 +12,55 @@
  * (a pinned block does not move) and hands it to each lease in `LeaseInfo.pinValues`, so a
  * lease's grant looks up nothing again.
  *
+ * A KV arena is best served as a numbered block space (`spaces`): its blocks are leased by
+ * number (`block:<owner>:<n>` is block n of the arena's grid), the lease table counts their pins
+ * in a typed array, and a lease's grant is the block grant of its numbers as they came: no
+ * string, object or lookup per block on the holder.
+ *
  * ```ts
  * const grants = engineGrants({ engine, blocks: new Map([['block:kv:0', { registration, offset: 0, length: 4096 }]]) });
  * const server = await startLockServer({ holderId: 'h', ...grants.lockServerOptions });
+ * // or, for an arena of 4 KiB blocks leased by number (client.acquire(holder, { owner: 'kv', numbers })):
+ * const arena = engineGrants({ engine, spaces: { kv: { registration, blockBytes: 4096 } } });
  * ```
  */
-import { GRANT_STRIDE, Registration, type Grant, type GrantRange, type Logger, type TransferEngine, silentLogger } from '@tensorwire/core';
+import { GRANT_STRIDE, InvalidInputError, Registration, ownerProblem, type Grant, type GrantRange, type Logger, type TransferEngine, silentLogger } from '@tensorwire/core';
 import { LeaseError } from '../errors.js';
 import { encodeFetchDescriptor } from '../fetch-descriptor.js';
-import type { LeaseEndReason, LeaseInfo } from './lease-table.js';
+import type { NumberedBlocks } from '../ids.js';
+import { MAX_SPACE_BLOCKS, type BlockSpace, type LeaseEndReason, type LeaseInfo } from './lease-table.js';
 import type { ResolvedLease } from './server.js';
 
 export interface EngineGrantsOptions {
   /** The holder's engine (started or not); its transports serve the grants. */
   readonly engine: TransferEngine;
-  /** Where each block lives: a range of a registration of `engine`. */
-  readonly blocks: ReadonlyMap<string, GrantRange> | ((blockId: string) => GrantRange | undefined);
+  /** Where each block named by id lives: a range of a registration of `engine`. Default: no block by id. */
+  readonly blocks?: ReadonlyMap<string, GrantRange> | ((blockId: string) => GrantRange | undefined);
+  /**
+   * Numbered block spaces by owner (a KV arena): block `n` of space `owner` (`block:<owner>:<n>`)
+   * is bytes `[base + n × blockBytes, + blockBytes)` of `registration`. Their leases are block
+   * grants of the lease's numbers. Passed on to the lease table (`lockServerOptions.spaces`).
+   */
+  readonly spaces?: Readonly<Record<string, EngineBlockSpace>>;
   /** Transports that must grant (default: every one that can). */
   readonly transports?: readonly string[];
   readonly logger?: Logger;
+}
+
+/** A numbered block space served by {@link engineGrants}: a grid of equal blocks in one registration. */
+export interface EngineBlockSpace {
+  /** The registration of the engine the blocks lie in. */
+  readonly registration: Registration;
+  /** Bytes per block (a positive integer). */
+  readonly blockBytes: number;
+  /** Offset of block 0 in the registration (default 0). */
+  readonly base?: number;
+  /** Blocks in the space (default: every whole block from `base` to the registration's end; at most 2^28). */
+  readonly count?: number;
+  /** Blocks that went from 0 to 1 live leases (see {@link BlockSpace.pin}). */
+  readonly pin?: BlockSpace['pin'];
+  /** Blocks that went from 1 to 0 live leases (see {@link BlockSpace.unpin}). */
+  readonly unpin?: BlockSpace['unpin'];
 }
 
 export interface EngineGrantCounters {
@@ -56,12 +86,14 @@ export interface EngineGrants {
   resolve(blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease>;
   /** The lease ended: revoke its grant (once; a grant still being made is revoked when made). */
   revoke(lease: LeaseInfo, reason: LeaseEndReason): void;
-  /** `{ pin, unpin, resolve, revoke }`, to spread into `startLockServer` options. */
+  /** `{ pin, unpin, resolve, revoke, spaces }`, to spread into `startLockServer` options. */
   readonly lockServerOptions: {
     readonly pin: (blockId: string) => GrantRange;
     readonly unpin: (blockId: string) => void;
     readonly resolve: (blockIds: readonly string[], lease: LeaseInfo) => Promise<ResolvedLease>;
     readonly revoke: (lease: LeaseInfo, reason: LeaseEndReason) => void;
+    /** The numbered spaces, as the lease table takes them (their counts and hooks). */
+    readonly spaces: Readonly<Record<string, BlockSpace>>;
   };
   counters(): EngineGrantCounters;
   /** Resolves once every revocation started so far has finished. */
@@ -74,7 +106,11 @@ type Slot = { state: 'pending' } | { state: 'ended' } | { state: 'live'; grant: 
 export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   const { engine } = options;
   const logger = options.logger ?? silentLogger;
-  const lookup = typeof options.blocks === 'function' ? options.blocks : (id: string) => (options.blocks as ReadonlyMap<string, GrantRange>).get(id);
+  const byId = options.blocks;
+  const lookup: (id: string) => GrantRange | undefined = typeof byId === 'function' ? byId : byId === undefined ? () => undefined : (id) => byId.get(id);
+  const spaces = checkSpaces(options.spaces);
+  const tableSpaces: Record<string, BlockSpace> = {};
+  for (const [owner, sp] of spaces) tableSpaces[owner] = { count: sp.count, ...(sp.pin ? { pin: sp.pin } : {}), ...(sp.unpin ? { unpin: sp.unpin } : {}) };
   const slots = new Map<string, Slot>();
   const revoking = new Set<Promise<void>>();
   let issued = 0;
@@ -116,10 +152,15 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     slots.set(sessionId, { state: 'pending' });
     let grant: Grant;
     try {
+      // A lease of numbered blocks is the block grant of its numbers, as they came (the lease
+      // table checked them against the space).
+      const own = lease.blocks !== undefined && blockIds === lease.blockIds ? lease.blocks : undefined;
+      const numbered = own === undefined ? undefined : spaces.get(own.owner);
+      if (own !== undefined && numbered === undefined) throw new LeaseError('NOT_FOUND', `no numbered blocks of owner ${own.owner} on this holder`);
       // One typed array for the whole lease: no object per block past the lookup.
       const registrations: Registration[] = [];
       const index = new Map<Registration, number>();
-      const n = blockIds.length;
+      const n = numbered === undefined ? blockIds.length : 0;
       const ranges = scratchFor(n * GRANT_STRIDE);
       // While every block is one size in one registration, on one grid of that size (the KV
       // arena case), the lease is also a block grant: one u32 per block, checked by the engine
@@ -157,7 +198,9 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       // The engine copies the ranges or blocks (into a copy it reuses after revocation) before
       // grant() returns: the scratch arrays are free for the next lease at once.
       const how = options.transports ? { transports: options.transports } : {};
-      grant = await (grid
+      grant = await (numbered !== undefined
+        ? engine.grant({ registration: numbered.registration, blockBytes: numbered.blockBytes, base: numbered.base, blocks: (own as NumberedBlocks).numbers }, how)
+        : grid
         ? engine.grant({ registration: registrations[0] as Registration, blockBytes, base: phase, blocks }, how)
         : engine.grant({ registrations, ranges }, how));
     } catch (e) {
@@ -196,10 +239,44 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     unpin,
     resolve,
     revoke,
-    lockServerOptions: { pin, unpin, resolve, revoke },
+    lockServerOptions: { pin, unpin, resolve, revoke, spaces: tableSpaces },
     counters: () => ({ issued, revoked, live: issued - revoked, failed }),
     settled: async () => {
       while (revoking.size > 0) await Promise.allSettled([...revoking]);
     },
   };
+}
+
+interface CheckedSpace {
+  readonly registration: Registration;
+  readonly blockBytes: number;
+  readonly base: number;
+  readonly count: number;
+  readonly pin: BlockSpace['pin'];
+  readonly unpin: BlockSpace['unpin'];
+}
+
+/** The spaces of {@link EngineGrantsOptions.spaces}, checked: each grid inside its registration. */
+function checkSpaces(spaces: Readonly<Record<string, EngineBlockSpace>> | undefined): Map<string, CheckedSpace> {
+  const out = new Map<string, CheckedSpace>();
+  for (const [owner, sp] of Object.entries(spaces ?? {})) {
+    const field = `spaces.${owner}`;
+    const bad = (what: string): never => {
+      throw new InvalidInputError(`${field}: ${what}`, { details: { field } });
+    };
+    const problem = ownerProblem(owner);
+    if (problem !== undefined) bad(`the owner ${JSON.stringify(owner)}: ${problem}`);
+    if (sp === null || typeof sp !== 'object') bad('expected { registration, blockBytes, base?, count? }');
+    if (!(sp.registration instanceof Registration)) bad('registration must be a Registration of the engine');
+    const { blockBytes } = sp;
+    const base = sp.base ?? 0;
+    if (!Number.isSafeInteger(blockBytes) || blockBytes < 1) bad(`blockBytes must be a positive integer, got ${String(blockBytes)}`);
+    if (!Number.isSafeInteger(base) || base < 0 || base >= sp.registration.byteLength) bad(`base must be an integer offset inside the registration (${sp.registration.byteLength} bytes), got ${String(base)}`);
+    const fit = Math.floor((sp.registration.byteLength - base) / blockBytes);
+    const count = sp.count ?? Math.min(fit, MAX_SPACE_BLOCKS);
+    if (!Number.isSafeInteger(count) || count < 1 || count > MAX_SPACE_BLOCKS) bad(`count must be an integer from 1 to 2^28, got ${String(count)}`);
+    if (count > fit) bad(`${count} blocks of ${blockBytes} bytes from offset ${base} do not fit in the registration (${sp.registration.byteLength} bytes)`);
+    out.set(owner, { registration: sp.registration, blockBytes, base, count, pin: sp.pin, unpin: sp.unpin });
+  }
+  return out;
 }

@@ -5,10 +5,10 @@
  */
 export { LockServer, startLockServer } from './server.js';
 export { engineGrants } from './grants.js';
-export type { EngineGrantCounters, EngineGrants, EngineGrantsOptions } from './grants.js';
+export type { EngineBlockSpace, EngineGrantCounters, EngineGrants, EngineGrantsOptions } from './grants.js';
 export type { BlockDescriptors, BlockResolver, ResolvedLease, CloseOptions, LockServerCounters, LockServerOptions, RpcName } from './server.js';
-export { LeaseTable, systemClock } from './lease-table.js';
-export type { AcquireParams, Clock, LeaseCounters, LeaseEndReason, LeaseInfo, LeaseTableOptions, SweepStats } from './lease-table.js';
+export { LeaseTable, MAX_SPACE_BLOCKS, systemClock } from './lease-table.js';
+export type { AcquireParams, BlockSpace, Clock, LeaseCounters, LeaseEndReason, LeaseInfo, LeaseTableOptions, SweepStats } from './lease-table.js';
 export { ExpiryScheduler, systemTimers } from './expiry.js';
 export type { ExpirySchedulerOptions, Timers } from './expiry.js';
 export { DeadlineHeap } from './heap.js';
@@ -16,4 +16,6 @@ export type { HeapEntry } from './heap.js';
 export { DEFAULT_SERVER_METRICS_PREFIX } from './metrics.js';
 export { LeaseError } from '../errors.js';
 export type { LeaseStatus } from '../errors.js';
+export { numberedBlockIds } from '../ids.js';
+export type { NumberedBlocks } from '../ids.js';
 export { LOCK_PROTO_PATH, LOCK_SERVICE_NAME, loadLockProtocol } from '../proto.js';

@@ -18,7 +18,7 @@
 import { randomBytes } from 'node:crypto';
 import { formatId, isToken, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
 import { LeaseError, type LeaseStatus } from '../errors.js';
-import { blockIdProblem, occursBefore, PAIRWISE_MAX, sessionIdProblem } from '../ids.js';
+import { blockIdProblem, numberedBlockIds, occursBefore, PAIRWISE_MAX, sessionIdProblem, type NumberedBlocks } from '../ids.js';
 import { DeadlineHeap, type HeapEntry } from './heap.js';
 
 /** Milliseconds on some monotonic-enough timeline; the table only compares and adds. */
@@ -36,7 +36,18 @@ export const systemClock: Clock = {
 export interface LeaseInfo {
   readonly sessionId: string;
   readonly requesterId: string;
+  /**
+   * The lease's block ids, in request order. For a lease of numbered blocks (`blocks`), the ids
+   * `block:<owner>:<n>` formatted on first use.
+   */
   readonly blockIds: readonly string[];
+  /** How many blocks the lease holds. */
+  readonly blockCount: number;
+  /**
+   * A lease of numbered blocks: the space's owner and the numbers, in request order (a copy the
+   * table owns: read it, do not write it). Undefined for a lease of blocks named by id.
+   */
+  readonly blocks?: NumberedBlocks;
   /** Client-chosen acquire nonce, when the requester sent one. */
   readonly acquireId: string | undefined;
   readonly acquiredAt: number;
@@ -101,9 +112,51 @@ export interface LeaseTableOptions {
   readonly onEnd?: (lease: LeaseInfo, reason: LeaseEndReason) => void;
   /** A request was refused. */
   readonly onReject?: (op: 'acquire' | 'release' | 'renew', status: LeaseStatus) => void;
+  /**
+   * Numbered block spaces, by owner: blocks `block:<owner>:0` to `block:<owner>:<count - 1>`,
+   * leased by number (`acquire(requester, { owner, numbers })`). Their pins are counts in a
+   * typed array per space (8 bytes per block of the space, made up front), checked and taken
+   * with no string and no object per block; the `pin`/`unpin` hooks above are not called for
+   * them (each space has its own, per batch). Ids of a space's owner are refused
+   * INVALID_ARGUMENT, so that each of its blocks has one name.
+   */
+  readonly spaces?: Readonly<Record<string, BlockSpace>>;
   /** Unguessable local part of a session id (default 128 random bits, base64url). */
   readonly newSecret?: () => string;
   readonly logger?: Logger;
+}
+
+/** A numbered block space of the lease table (see {@link LeaseTableOptions.spaces}). */
+export interface BlockSpace {
+  /** Blocks in the space: numbers 0 to count - 1 (at most 2^28). */
+  readonly count: number;
+  /**
+   * Blocks of an acquire that went from 0 to 1 live leases (numbers, in request order; the array
+   * is reused once this returns). Throw (e.g. `LeaseError('NOT_FOUND', …)`) to refuse the
+   * acquire: nothing is then pinned.
+   */
+  readonly pin?: (numbers: Uint32Array, lease: LeaseInfo) => void;
+  /** Blocks of an ended lease that went from 1 to 0 live leases: their memory may be reused (the array is reused once this returns). */
+  readonly unpin?: (numbers: Uint32Array) => void;
+}
+
+/** The most blocks one numbered space may have (its pin table is 8 bytes per block). */
+export const MAX_SPACE_BLOCKS = 2 ** 28;
+
+/** A numbered space's pins: a count per block, and the acquire that last named each block (repeat check). */
+interface SpaceState {
+  readonly owner: string;
+  /** `block:<owner>:`, to refuse ids in the space. */
+  readonly prefix: string;
+  readonly count: number;
+  readonly pins: Uint32Array;
+  readonly seen: Uint32Array;
+  /** Stamp of the current acquire in `seen` (1, 2, …; the table is cleared when it wraps). */
+  stamp: number;
+  /** Blocks with a count above 0. */
+  pinned: number;
+  readonly pin: BlockSpace['pin'];
+  readonly unpin: BlockSpace['unpin'];
 }
 
 export interface AcquireParams {
@@ -120,6 +173,7 @@ export interface SweepStats {
 }
 
 interface Lease extends LeaseInfo, HeapEntry {
+  readonly space: SpaceState | undefined;
   deadline: number;
   leaseMs: number;
   heapIndex: number;
@@ -164,6 +218,9 @@ export class LeaseTable {
   readonly #sessions = new Map<string, Lease>();
   readonly #byAcquire = new Map<string, Lease>();
   readonly #pins = new Map<string, Pin>();
+  readonly #spaces = new Map<string, SpaceState>();
+  /** Scratch for a space's pin and unpin hooks (grown as needed). */
+  #changed = new Uint32Array(0);
   readonly #heap = new DeadlineHeap<Lease>();
   /** Acquire ids released before their acquire arrived: key → expiry, in expiry order. */
   readonly #tombstones = new Map<string, number>();
@@ -194,6 +251,25 @@ export class LeaseTable {
     this.maxActiveBlocks = positive(options.maxActiveBlocks ?? Number.POSITIVE_INFINITY, 'maxActiveBlocks');
     this.clock = options.clock ?? systemClock;
     this.#logger = options.logger ?? silentLogger;
+    for (const [owner, space] of Object.entries(options.spaces ?? {})) {
+      const problem = ownerProblem(owner);
+      if (problem !== undefined) throw new LeaseError('INVALID_ARGUMENT', `spaces: owner ${JSON.stringify(owner)}: ${problem}`);
+      const count = space?.count;
+      if (typeof count !== 'number' || !Number.isInteger(count) || count < 1 || count > MAX_SPACE_BLOCKS) {
+        throw new LeaseError('INVALID_ARGUMENT', `spaces.${owner}.count must be an integer from 1 to 2^28, got ${String(count)}`);
+      }
+      this.#spaces.set(owner, {
+        owner,
+        prefix: `block:${owner}:`,
+        count,
+        pins: new Uint32Array(count),
+        seen: new Uint32Array(count),
+        stamp: 0,
+        pinned: 0,
+        pin: space.pin,
+        unpin: space.unpin,
+      });
+    }
   }
 
   /** Live sessions. */
@@ -202,6 +278,8 @@ export class LeaseTable {
   }
 
   counters(): LeaseCounters {
+    let spacePinned = 0;
+    for (const sp of this.#spaces.values()) spacePinned += sp.pinned;
     return {
       acquired: this.#acquired,
       released: this.#released,
@@ -211,7 +289,7 @@ export class LeaseTable {
       blocksReleased: this.#blocksReleased,
       blocksExpired: this.#blocksExpired,
       activeBlocks: this.#activeBlocks,
-      pinnedBlocks: this.#pins.size,
+      pinnedBlocks: this.#pins.size + spacePinned,
       rejected: this.#rejected,
     };
   }
@@ -226,8 +304,14 @@ export class LeaseTable {
     return this.#sessions.values();
   }
 
-  /** How many live leases pin a block (0 when unpinned). */
+  /** How many live leases pin a block (0 when unpinned), by id (numbered blocks too). */
   pinCount(blockId: string): number {
+    for (const sp of this.#spaces.values()) {
+      if (!blockId.startsWith(sp.prefix)) continue;
+      const local = blockId.slice(sp.prefix.length);
+      const n = /^(0|[1-9][0-9]{0,9})$/.test(local) ? Number(local) : -1;
+      return n >= 0 && n < sp.count ? (sp.pins[n] as number) : 0;
+    }
     return this.#pins.get(blockId)?.n ?? 0;
   }
 
@@ -264,28 +348,57 @@ export class LeaseTable {
   }
 
   /**
-   * Pin `blockIds` under a new lease for `requesterId`. Throws LeaseError: INVALID_ARGUMENT
-   * (malformed ids, empty list, duplicates), RESOURCE_EXHAUSTED (limits), ALREADY_EXISTS
-   * (live acquire id), ABORTED (acquire id released before it arrived), or whatever the
-   * `pin` hook throws (pins taken so far are rolled back).
+   * Pin `blocks` under a new lease for `requesterId`: block ids, or numbered blocks of one of
+   * the table's spaces (`{ owner, numbers }`). Throws LeaseError: INVALID_ARGUMENT (malformed
+   * ids, empty list, duplicates, an id in a numbered space), NOT_FOUND (a space the table does
+   * not have, a number past its end), RESOURCE_EXHAUSTED (limits), ALREADY_EXISTS (live acquire
+   * id), ABORTED (acquire id released before it arrived), or whatever a `pin` hook throws (pins
+   * taken so far are rolled back).
    */
-  acquire(requesterId: string, blockIds: readonly string[], params: AcquireParams = {}): LeaseInfo {
+  acquire(requesterId: string, blocks: readonly string[] | NumberedBlocks, params: AcquireParams = {}): LeaseInfo {
     const now = this.clock.now();
     this.expireDue(now);
     this.#checkRequester('acquire', requesterId);
-    if (!Array.isArray(blockIds) || blockIds.length === 0) this.#reject('acquire', 'INVALID_ARGUMENT', 'block list is empty');
-    if (blockIds.length > this.maxBlocksPerSession) {
-      this.#reject('acquire', 'RESOURCE_EXHAUSTED', `${blockIds.length} blocks requested; at most ${this.maxBlocksPerSession} per session`);
-    }
-    // Checked in order, each id for its form and then for repeating an earlier one.
-    const n = blockIds.length;
-    const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
-    for (let i = 0; i < n; i++) {
-      const id = blockIds[i] as string;
-      const problem = blockIdProblem(id);
-      if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', `block id: ${problem}`);
-      if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${JSON.stringify(id)} appears twice`);
-      seen?.add(id);
+    const numbered = !Array.isArray(blocks);
+    let space: SpaceState | undefined;
+    let numbers: Uint32Array | undefined;
+    let n: number;
+    if (numbered) {
+      const b = blocks as NumberedBlocks | null | undefined;
+      if (b === null || typeof b !== 'object' || !(b.numbers instanceof Uint32Array)) {
+        this.#reject('acquire', 'INVALID_ARGUMENT', 'blocks must be a list of block ids or { owner, numbers: Uint32Array }');
+      }
+      n = b.numbers.length;
+      if (n === 0) this.#reject('acquire', 'INVALID_ARGUMENT', 'block list is empty');
+      if (n > this.maxBlocksPerSession) this.#reject('acquire', 'RESOURCE_EXHAUSTED', `${n} blocks requested; at most ${this.maxBlocksPerSession} per session`);
+      space = typeof b.owner === 'string' ? this.#spaces.get(b.owner) : undefined;
+      if (space === undefined) {
+        const problem = ownerProblem(b.owner);
+        if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', `block owner: ${problem}`);
+        this.#reject('acquire', 'NOT_FOUND', `no numbered blocks of owner ${b.owner} on this holder`);
+      }
+      numbers = b.numbers.slice(); // the table's own copy: the caller's array may change
+      this.#checkNumbers(space, numbers);
+    } else {
+      const blockIds = blocks as readonly string[];
+      n = blockIds.length;
+      if (n === 0) this.#reject('acquire', 'INVALID_ARGUMENT', 'block list is empty');
+      if (n > this.maxBlocksPerSession) this.#reject('acquire', 'RESOURCE_EXHAUSTED', `${n} blocks requested; at most ${this.maxBlocksPerSession} per session`);
+      // Checked in order, each id for its form and then for repeating an earlier one.
+      const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
+      const spaces = this.#spaces.size === 0 ? undefined : this.#spaces;
+      for (let i = 0; i < n; i++) {
+        const id = blockIds[i] as string;
+        const problem = blockIdProblem(id);
+        if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', `block id: ${problem}`);
+        if (spaces !== undefined) {
+          for (const sp of spaces.values()) {
+            if (id.startsWith(sp.prefix)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${id} is in numbered space ${sp.owner}: acquire its blocks by number`);
+          }
+        }
+        if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${JSON.stringify(id)} appears twice`);
+        seen?.add(id);
+      }
     }
     const leaseMs = this.#leaseMs('acquire', params.leaseMs);
     const acquireId = params.acquireId === undefined || params.acquireId === '' ? undefined : params.acquireId;
@@ -299,7 +412,7 @@ export class LeaseTable {
     if (this.#sessions.size >= this.maxSessions) {
       this.#reject('acquire', 'RESOURCE_EXHAUSTED', `holder has ${this.#sessions.size} live sessions; limit ${this.maxSessions}`);
     }
-    if (this.#activeBlocks + blockIds.length > this.maxActiveBlocks) {
+    if (this.#activeBlocks + n > this.maxActiveBlocks) {
       this.#reject('acquire', 'RESOURCE_EXHAUSTED', `holder has ${this.#activeBlocks} blocks under lease; limit ${this.maxActiveBlocks}`);
     }
     let sessionId: string;
@@ -307,17 +420,50 @@ export class LeaseTable {
     // The default secret is always a valid local part: no need to check it again.
     do sessionId = newSecret === undefined ? `session:${this.holderId}:${defaultSecret()}` : formatId('session', this.holderId, newSecret());
     while (this.#sessions.has(sessionId));
+    const lease = numbered
+      ? this.#pinNumbered(sessionId, requesterId, space as SpaceState, numbers as Uint32Array, acquireId, now, leaseMs)
+      : this.#pinIds(sessionId, requesterId, blocks as readonly string[], acquireId, now, leaseMs);
+    this.#sessions.set(sessionId, lease);
+    if (acquireKey !== undefined) this.#byAcquire.set(acquireKey, lease);
+    this.#heap.push(lease);
+    this.#acquired++;
+    this.#blocksAcquired += n;
+    this.#activeBlocks += n;
+    return lease;
+  }
+
+  /** Each number inside the space, none twice (one pass: the space's `seen` stamps). */
+  #checkNumbers(space: SpaceState, numbers: Uint32Array): void {
+    if (space.stamp === 0xffffffff) {
+      space.seen.fill(0);
+      space.stamp = 0;
+    }
+    const stamp = ++space.stamp;
+    const { seen, count } = space;
+    for (let i = 0; i < numbers.length; i++) {
+      const k = numbers[i] as number;
+      if (k >= count) this.#reject('acquire', 'NOT_FOUND', `no block block:${space.owner}:${k} on this holder (blocks[${i}]; the space has ${count} blocks)`);
+      if (seen[k] === stamp) this.#reject('acquire', 'INVALID_ARGUMENT', `block block:${space.owner}:${k} appears twice (blocks[${i}])`);
+      seen[k] = stamp;
+    }
+  }
+
+  /** A lease of block ids: each id's pin taken (the `pin` hook per block), rolled back on a refusal. */
+  #pinIds(sessionId: string, requesterId: string, blockIds: readonly string[], acquireId: string | undefined, now: number, leaseMs: number): Lease {
+    const n = blockIds.length;
     const pin = this.#opts.pin;
     const values = pin === undefined ? undefined : new Array<unknown>(n);
     const lease: Lease = {
       sessionId,
       requesterId,
       blockIds: Object.freeze([...blockIds]),
+      blockCount: n,
       acquireId,
       acquiredAt: now,
       deadline: now + leaseMs,
       leaseMs,
       pinValues: values,
+      space: undefined,
       heapIndex: -1,
       live: true,
     };
@@ -339,23 +485,78 @@ export class LeaseTable {
     } catch (e) {
       lease.live = false;
       this.#unpinAll(lease.blockIds, pinned);
-      this.#rejected++;
-      if (e instanceof LeaseError) {
-        try {
-          this.#opts.onReject?.('acquire', e.status);
-        } catch {
-          // reported through the rethrow
-        }
-      }
-      throw e;
+      this.#refused(e);
     }
-    this.#sessions.set(sessionId, lease);
-    if (acquireKey !== undefined) this.#byAcquire.set(acquireKey, lease);
-    this.#heap.push(lease);
-    this.#acquired++;
-    this.#blocksAcquired += lease.blockIds.length;
-    this.#activeBlocks += lease.blockIds.length;
     return lease;
+  }
+
+  /**
+   * A lease of numbered blocks (checked): a count per block in the space's table, the blocks that
+   * went from 0 to 1 handed to the space's `pin` hook at once, all rolled back if it refuses.
+   */
+  #pinNumbered(sessionId: string, requesterId: string, space: SpaceState, numbers: Uint32Array, acquireId: string | undefined, now: number, leaseMs: number): Lease {
+    let ids: readonly string[] | undefined;
+    const blocks: NumberedBlocks = Object.freeze({ owner: space.owner, numbers });
+    const lease: Lease = {
+      sessionId,
+      requesterId,
+      get blockIds(): readonly string[] {
+        return (ids ??= numberedBlockIds(blocks));
+      },
+      blockCount: numbers.length,
+      blocks,
+      acquireId,
+      acquiredAt: now,
+      deadline: now + leaseMs,
+      leaseMs,
+      space,
+      heapIndex: -1,
+      live: true,
+    };
+    const pins = space.pins;
+    const changed = space.pin === undefined ? undefined : this.#scratch(numbers.length);
+    let fresh = 0;
+    for (let i = 0; i < numbers.length; i++) {
+      const k = numbers[i] as number;
+      const c = pins[k] as number;
+      pins[k] = c + 1;
+      if (c === 0) {
+        if (changed !== undefined) changed[fresh] = k;
+        fresh++;
+      }
+    }
+    if (space.pin !== undefined && fresh > 0) {
+      try {
+        space.pin((changed as Uint32Array).subarray(0, fresh), lease);
+      } catch (e) {
+        lease.live = false;
+        for (let i = 0; i < numbers.length; i++) {
+          const k = numbers[i] as number;
+          pins[k] = (pins[k] as number) - 1;
+        }
+        this.#refused(e);
+      }
+    }
+    space.pinned += fresh;
+    return lease;
+  }
+
+  /** An acquire refused by a pin hook: counted, reported, rethrown. */
+  #refused(e: unknown): never {
+    this.#rejected++;
+    if (e instanceof LeaseError) {
+      try {
+        this.#opts.onReject?.('acquire', e.status);
+      } catch {
+        // reported through the rethrow
+      }
+    }
+    throw e;
+  }
+
+  #scratch(n: number): Uint32Array {
+    if (this.#changed.length < n) this.#changed = new Uint32Array(Math.max(n, this.#changed.length * 2, 64));
+    return this.#changed;
   }
 
   /**
@@ -385,7 +586,7 @@ export class LeaseTable {
     if (lease === undefined) return 0;
     if (lease.requesterId !== requesterId) this.#reject('release', 'PERMISSION_DENIED', `session ${lease.sessionId} belongs to another requester`);
     this.#end(lease, 'released');
-    return lease.blockIds.length;
+    return lease.blockCount;
   }
 
   /** Holder-side release of a grant the requester never saw (e.g. its call was cancelled). */
@@ -393,7 +594,7 @@ export class LeaseTable {
     const lease = this.#sessions.get(sessionId);
     if (lease === undefined) return 0;
     this.#end(lease, 'abandoned');
-    return lease.blockIds.length;
+    return lease.blockCount;
   }
 
   /**
@@ -449,7 +650,7 @@ export class LeaseTable {
     this.#heap.remove(lease);
     this.#sessions.delete(lease.sessionId);
     if (lease.acquireId !== undefined) this.#byAcquire.delete(`${lease.requesterId}/${lease.acquireId}`);
-    const n = lease.blockIds.length;
+    const n = lease.blockCount;
     this.#activeBlocks -= n;
     if (reason === 'released' || reason === 'abandoned') {
       this.#released++;
@@ -463,7 +664,31 @@ export class LeaseTable {
     } catch (e) {
       this.#logger.error('lock: onEnd hook threw; continuing', { sessionId: lease.sessionId, error: String(e) });
     }
-    this.#unpinAll(lease.blockIds, lease.blockIds.length);
+    if (lease.space !== undefined) this.#unpinNumbered(lease.space, (lease.blocks as NumberedBlocks).numbers);
+    else this.#unpinAll(lease.blockIds, n);
+  }
+
+  /** Drop one pin of each numbered block; the blocks no live lease holds any more go to the space's `unpin` hook at once. */
+  #unpinNumbered(space: SpaceState, numbers: Uint32Array): void {
+    const pins = space.pins;
+    const changed = space.unpin === undefined ? undefined : this.#scratch(numbers.length);
+    let freed = 0;
+    for (let i = 0; i < numbers.length; i++) {
+      const k = numbers[i] as number;
+      const c = (pins[k] as number) - 1;
+      pins[k] = c;
+      if (c === 0) {
+        if (changed !== undefined) changed[freed] = k;
+        freed++;
+      }
+    }
+    space.pinned -= freed;
+    if (space.unpin === undefined || freed === 0) return;
+    try {
+      space.unpin((changed as Uint32Array).subarray(0, freed));
+    } catch (e) {
+      this.#logger.error('lock: unpin hook threw; continuing', { owner: space.owner, blocks: freed, error: String(e) });
+    }
   }
 
   /** Drop one pin of each of the first `count` blocks; unpin those no live lease holds any more. */

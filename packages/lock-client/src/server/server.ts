@@ -38,7 +38,9 @@ export type BlockDescriptors = Uint8Array | readonly Uint8Array[];
 /**
  * Maps the blocks of a fresh lease to their transfer descriptors, in request order. The
  * descriptors should be scoped to the lease (for example carry a token the transport
- * checks) and revoked in `revoke`. May be async; the blocks are pinned before it runs.
+ * checks) and revoked in `revoke`. May be async; the blocks are pinned before it runs. For a
+ * lease of numbered blocks, `blockIds` are their ids (`block:<owner>:<n>`) and `lease.blocks`
+ * has the numbers.
  */
 export type BlockResolver = (blockIds: readonly string[], lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>;
 
@@ -455,9 +457,16 @@ export class LockServer implements AsyncDisposable {
       return;
     }
     const req = call.request;
+    // Blocks by id, or by number in one of the holder's numbered spaces (owner once, numbers packed).
+    const byNumber = (req.blockNumbers !== undefined && req.blockNumbers.length > 0) || (req.blockOwner !== undefined && req.blockOwner !== '');
+    if (byNumber && req.blockIds.length > 0) {
+      this.#fail('acquire', cb, 'INVALID_ARGUMENT', 'give block ids or block numbers, not both');
+      return;
+    }
     let lease: LeaseInfo;
     try {
-      lease = this.table.acquire(req.requesterId, req.blockIds, { leaseMs: req.leaseMs, acquireId: req.acquireId });
+      const blocks = byNumber ? { owner: req.blockOwner ?? '', numbers: Uint32Array.from(req.blockNumbers ?? []) } : req.blockIds;
+      lease = this.table.acquire(req.requesterId, blocks, { leaseMs: req.leaseMs, acquireId: req.acquireId });
     } catch (e) {
       const { status, message } = hookStatus(e);
       this.#fail('acquire', cb, status, message);
@@ -521,8 +530,8 @@ export class LockServer implements AsyncDisposable {
       leaseDescriptors = r.lease as Uint8Array[];
       descriptors = r.blocks;
     } else descriptors = resolved as readonly BlockDescriptors[] | undefined;
-    if (descriptors !== undefined && (!Array.isArray(descriptors) || descriptors.length !== lease.blockIds.length)) {
-      this.#resolveFailed(cb, lease, new Error(`resolver returned ${Array.isArray(descriptors) ? descriptors.length : typeof descriptors} entries for ${lease.blockIds.length} blocks`));
+    if (descriptors !== undefined && (!Array.isArray(descriptors) || descriptors.length !== lease.blockCount)) {
+      this.#resolveFailed(cb, lease, new Error(`resolver returned ${Array.isArray(descriptors) ? descriptors.length : typeof descriptors} entries for ${lease.blockCount} blocks`));
       return;
     }
     // Bytes only: anything else would fail in the response encoder, after the lease was granted.
@@ -536,11 +545,12 @@ export class LockServer implements AsyncDisposable {
     // bytes instead of one entry per block.
     const omitEmpty = call.request.omitEmptyBlocks === true;
     if (descriptors !== undefined || !omitEmpty) {
-      for (let i = 0; i < lease.blockIds.length; i++) {
+      const ids = lease.blockIds;
+      for (let i = 0; i < ids.length; i++) {
         const d = descriptors?.[i];
         const list = d === undefined ? EMPTY : d instanceof Uint8Array ? [d] : d;
         if (omitEmpty && list.length === 0) continue;
-        blocks.push({ blockId: lease.blockIds[i] as string, descriptors: list as Uint8Array[] });
+        blocks.push({ blockId: ids[i] as string, descriptors: list as Uint8Array[] });
       }
     }
     cb(null, {
