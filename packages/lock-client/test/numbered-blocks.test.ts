@@ -307,4 +307,30 @@ describe('numbered block spaces: leased and fetched over gRPC', () => {
     expect(g.lockServerOptions.spaces).toEqual({ kv: { count: 9 } });
     await engine.close();
   });
+
+  it("the lock server's resolver for a lease by number never formats its ids; resolve and resolveLease are exclusive", async () => {
+    const engine = new TransferEngine({ nodeId: 'holder', transports: [new TcpTransport()], logger: silentLogger });
+    const registration = await engine.register({ kind: 'host', buffer: new Uint8Array(10 * BLOCK) });
+    const g = engineGrants({ engine, spaces: { kv: { registration, blockBytes: BLOCK } } });
+    const lease = {
+      sessionId: 'session:h:x',
+      requesterId: 'r',
+      get blockIds(): readonly string[] {
+        throw new Error('formatted the ids of a lease by number');
+      },
+      blockCount: 2,
+      blocks: { owner: 'kv', numbers: Uint32Array.of(9, 4) },
+      acquireId: undefined,
+      acquiredAt: 0,
+      deadline: 1e15,
+      leaseMs: 1000,
+    };
+    const resolved = await g.lockServerOptions.resolveLease(lease);
+    expect((resolved as { lease: readonly Uint8Array[] }).lease).toHaveLength(1);
+    g.revoke(lease, 'released');
+    await g.settled();
+    expect(g.counters()).toEqual({ issued: 1, revoked: 1, live: 0, failed: 0 });
+    expect(() => new LockServer({ holderId: 'h', lockTimeoutMs: 1000, resolve: () => [], resolveLease: () => [] })).toThrow(/give resolve or resolveLease, not both/);
+    await engine.close();
+  });
 });

@@ -84,13 +84,15 @@ export interface EngineGrants {
   unpin(blockId: string): void;
   /** One range grant over the lease's blocks, as one lease descriptor. */
   resolve(blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease>;
+  /** `resolve` of the lease's own blocks (a lease by number: its numbers, without formatting its ids). */
+  resolveLease(lease: LeaseInfo): Promise<ResolvedLease>;
   /** The lease ended: revoke its grant (once; a grant still being made is revoked when made). */
   revoke(lease: LeaseInfo, reason: LeaseEndReason): void;
-  /** `{ pin, unpin, resolve, revoke, spaces }`, to spread into `startLockServer` options. */
+  /** `{ pin, unpin, resolveLease, revoke, spaces }`, to spread into `startLockServer` options. */
   readonly lockServerOptions: {
     readonly pin: (blockId: string) => GrantRange;
     readonly unpin: (blockId: string) => void;
-    readonly resolve: (blockIds: readonly string[], lease: LeaseInfo) => Promise<ResolvedLease>;
+    readonly resolveLease: (lease: LeaseInfo) => Promise<ResolvedLease>;
     readonly revoke: (lease: LeaseInfo, reason: LeaseEndReason) => void;
     /** The numbered spaces, as the lease table takes them (their counts and hooks). */
     readonly spaces: Readonly<Record<string, BlockSpace>>;
@@ -147,20 +149,25 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
 
   const unpin = (): void => undefined;
 
-  const resolve = async (blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease> => {
+  const resolve = (blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease> => grantFor(lease.blocks !== undefined && blockIds === lease.blockIds ? undefined : blockIds, lease);
+  const resolveLease = (lease: LeaseInfo): Promise<ResolvedLease> => grantFor(lease.blocks !== undefined ? undefined : lease.blockIds, lease);
+
+  /** The grant of `blockIds`, or (undefined) of the lease's own numbered blocks. */
+  const grantFor = async (blockIds: readonly string[] | undefined, lease: LeaseInfo): Promise<ResolvedLease> => {
     const sessionId = lease.sessionId;
     slots.set(sessionId, { state: 'pending' });
     let grant: Grant;
     try {
       // A lease of numbered blocks is the block grant of its numbers, as they came (the lease
       // table checked them against the space).
-      const own = lease.blocks !== undefined && blockIds === lease.blockIds ? lease.blocks : undefined;
+      const own = blockIds === undefined ? lease.blocks : undefined;
       const numbered = own === undefined ? undefined : spaces.get(own.owner);
       if (own !== undefined && numbered === undefined) throw new LeaseError('NOT_FOUND', `no numbered blocks of owner ${own.owner} on this holder`);
       // One typed array for the whole lease: no object per block past the lookup.
       const registrations: Registration[] = [];
       const index = new Map<Registration, number>();
-      const n = numbered === undefined ? blockIds.length : 0;
+      const ids = blockIds ?? [];
+      const n = ids.length;
       const ranges = scratchFor(n * GRANT_STRIDE);
       // While every block is one size in one registration, on one grid of that size (the KV
       // arena case), the lease is also a block grant: one u32 per block, checked by the engine
@@ -170,9 +177,9 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       let blockBytes = 0;
       let phase = 0;
       // What the pins looked up, when the lease is the table's and these are its blocks.
-      const values = blockIds === lease.blockIds ? lease.pinValues : undefined;
+      const values = lease.blocks === undefined && blockIds === lease.blockIds ? lease.pinValues : undefined;
       for (let i = 0; i < n; i++) {
-        const id = blockIds[i] as string;
+        const id = ids[i] as string;
         const v = values?.[i] as GrantRange | undefined;
         // A pin hook other than ours (spread over lockServerOptions) may have kept something else.
         const r = v !== undefined && v !== null && v.registration instanceof Registration ? v : lookup(id);
@@ -238,8 +245,9 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     pin,
     unpin,
     resolve,
+    resolveLease,
     revoke,
-    lockServerOptions: { pin, unpin, resolve, revoke, spaces: tableSpaces },
+    lockServerOptions: { pin, unpin, resolveLease, revoke, spaces: tableSpaces },
     counters: () => ({ issued, revoked, live: issued - revoked, failed }),
     settled: async () => {
       while (revoking.size > 0) await Promise.allSettled([...revoking]);

@@ -53,6 +53,12 @@ export type ResolvedLease = readonly BlockDescriptors[] | { readonly lease: read
 export interface LockServerOptions extends Omit<LeaseTableOptions, 'onEnd' | 'onReject' | 'logger'> {
   /** Block ids → descriptors. Default: no descriptors. */
   readonly resolve?: BlockResolver;
+  /**
+   * Instead of `resolve` (not both): the same, given only the lease. Its ids are
+   * `lease.blockIds`; a lease by number (`lease.blocks`) then costs no id string unless the
+   * resolver asks for them (`engineGrants` does not).
+   */
+  readonly resolveLease?: (lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>;
   /** A lease ended (released, expired, abandoned, shutdown): revoke its grants. Runs before the unpins it causes. */
   readonly revoke?: (lease: LeaseInfo, reason: LeaseEndReason) => void;
   /** Require `authorization: Bearer <token>` on every call. */
@@ -134,7 +140,7 @@ export class LockServer implements AsyncDisposable {
   readonly gc: ExpiryScheduler;
   /** The registry the metrics are on (the one passed in, or a private one). */
   readonly registry: Registry;
-  readonly #opts: LockServerOptions;
+  readonly #resolve: ((lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>) | undefined;
   readonly #logger: Logger;
   readonly #server: grpc.Server;
   readonly #tokenDigest: Buffer | undefined;
@@ -159,7 +165,6 @@ export class LockServer implements AsyncDisposable {
   #closing: Promise<void> | undefined;
 
   constructor(options: LockServerOptions) {
-    this.#opts = options;
     this.#logger = options.logger ?? silentLogger;
     if (options.token !== undefined && options.token.length === 0) throw new InvalidInputError('token must not be empty');
     this.#tokenDigest = options.token === undefined ? undefined : digest(options.token);
@@ -169,6 +174,9 @@ export class LockServer implements AsyncDisposable {
     if (!(this.#maxBatch >= 1)) throw new InvalidInputError(`maxBatchEntries must be at least 1, got ${this.#maxBatch}`);
     this.#retryAfter = new grpc.Metadata();
     this.#retryAfter.set(RETRY_AFTER_METADATA_KEY, String(Math.max(0, Math.round(options.retryAfterMs ?? 50))));
+    if (options.resolve !== undefined && options.resolveLease !== undefined) throw new LeaseError('INVALID_ARGUMENT', 'give resolve or resolveLease, not both');
+    const byIds = options.resolve;
+    this.#resolve = options.resolveLease ?? (byIds === undefined ? undefined : (lease) => byIds(lease.blockIds, lease));
     this.table = new LeaseTable({
       ...options,
       logger: this.#logger,
@@ -473,14 +481,14 @@ export class LockServer implements AsyncDisposable {
       return;
     }
     this.gc.notify();
-    const resolve = this.#opts.resolve;
+    const resolve = this.#resolve;
     if (resolve === undefined) {
       this.#grant(call, cb, lease, undefined);
       return;
     }
     let result: ResolvedLease | Promise<ResolvedLease>;
     try {
-      result = resolve(lease.blockIds, lease);
+      result = resolve(lease);
     } catch (e) {
       this.#resolveFailed(cb, lease, e);
       return;
