@@ -153,6 +153,8 @@ export interface KvMethodResult {
   readonly prepareMs?: number;
   /** Ranges of the prepared transfer after the engine merged adjacent requests. */
   readonly ranges?: number;
+  /** Leased methods: median ms of client.fetch (acquire + grant + read: the bytes are usable) and of the release that follows, per timed fetch. */
+  readonly leaseSplit?: { readonly fetchMs: number; readonly releaseMs: number };
 }
 
 /**

@@ -231,6 +231,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         }
         const prepare = runs.filter((x) => x.prepareMs !== undefined).map((x) => x.prepareMs as number);
         const ranges = runs.find((x) => x.ranges !== undefined)?.ranges;
+        const splits = runs.flatMap((x) => (x.leaseSplit ? [x.leaseSplit] : []));
         measurements.push({
           name: NAMES[m](transportOf(m)),
           role: m === 'raw' || m === 'memcpy' || m === 'memcpy-shm' ? 'baseline' : 'subject',
@@ -242,7 +243,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           descriptorsPerSec: median(runs.map((x) => x.descriptors / (x.ms / 1000))),
           ...(m !== 'raw' && m !== 'memcpy' && m !== 'memcpy-shm' ? { transport } : {}),
           latency: summarize(runs.flatMap((x) => x.latencies)),
-          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}) },
+          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}), ...(splits.length > 0 ? { clientFetchMedianMs: median(splits.map((x) => x.fetchMs)), releaseMedianMs: median(splits.map((x) => x.releaseMs)) } : {}) },
         });
       }
       for (const [lane, baseline, kind] of [
@@ -413,6 +414,21 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       `memcpy-shm baseline: the same loop, out of a shared segment of the requester filled with the same pattern: what the same-host transport copies from; ${hugePageNote()}`,
       'raw baseline: the holder writes the same byte count per fetch from its region as one contiguous run over one node:net socket (slices of at most 4 MiB), received straight into the destination with onread: no per-descriptor work, a ceiling for TCP',
     ];
+    // Where a leased fetch's time goes: client.fetch (acquire + grant + read) and the release, beside engine.read alone.
+    for (const [ci, c] of s.configs.entries()) {
+      if (c.sweep === 'batch' && c.blockBytes * descriptorsOf(c) < 64 * MiB) continue;
+      for (const lane of hello.lanes) {
+        const split = rows.get(`${ci}/${lane}-leased`)?.flatMap((x) => (x.leaseSplit ? [x.leaseSplit] : [])) ?? [];
+        const reads = rows.get(`${ci}/${lane}-read`) ?? [];
+        if (split.length === 0 || reads.length === 0) continue;
+        const readMs = median(reads.flatMap((x) => x.latencies));
+        const fetchMs = median(split.map((x) => x.fetchMs));
+        const releaseMs = median(split.map((x) => x.releaseMs));
+        notes.push(
+          `${lane} leased fetch @ ${label(c)}, medians: client.fetch ${fetchMs.toFixed(3)} ms (acquire + grant + read: the bytes are usable), then release ${releaseMs.toFixed(3)} ms; engine.read alone ${readMs.toFixed(3)} ms (median call of the same round(s)): the lease adds about ${Math.max(0, fetchMs - readMs).toFixed(3)} ms before the bytes are usable and ${releaseMs.toFixed(3)} ms after (one gRPC round trip each on the Session stream)`,
+        );
+      }
+    }
     if (unavailable !== undefined) notes.push(`same-host transport unavailable here: ${unavailable}`);
     if (failedAt.length > 0) notes.push(`descriptors that failed verification: ${failedAt.join('; ')}`);
 
