@@ -453,7 +453,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           const remoteOffset = Math.floor(rng(SEED + 31 * (r * sizes.length + si + 1))() * slots) * size;
           const ours = async (): Promise<void> => {
             const rid = ++id;
-            req.send({ type: 'reread', id: rid, blockBytes: size, remoteOffset, iterations, warmup: ucxWarmup(iterations), order: r % 2 === 0 ? rereadMethods : [...rereadMethods].reverse() });
+            req.send({ type: 'reread', id: rid, blockBytes: size, remoteOffset, iterations, warmup: ucxWarmup(iterations), warmupMs: s.warmupMs, order: r % 2 === 0 ? rereadMethods : [...rereadMethods].reverse() });
             const res = await req.next<{ type: string; results?: KvRereadResult[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
             if (res.type === 'error' || !res.results) throw new BenchError(`kv --compare re-read of ${formatBytes(size)} failed: ${res.message ?? 'no result'}`);
             for (const x of res.results) oursRuns.set(`${size}/${x.method}`, [...(oursRuns.get(`${size}/${x.method}`) ?? []), x]);
@@ -533,7 +533,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       }
       notes.push(
         `UCX: ucx_perftest -t ucp_get -s <block size> -n <iterations> -w <iterations/10> -O 1 on loopback (UCX_TLS=posix,self and UCX_TLS=tcp; iterations = 128 MiB / size, clamped to 100..4000): it gets the same remote buffer into the same local buffer, one get at a time (ucp_get's default window is 1), so at small sizes both sides stay in cache; figures are medians of ${s.rounds} round(s), each round running, at each size, our same-shape posts and the two UCX runs in an order that alternates`,
-        'UCX ratios "<lane> prepared/UCX ..." use the scattered kv fetch of the size sweep (layers × blocks over the whole holder region, 1 × 4 MiB at 4 MiB): not the shape UCX measures; "<lane> re-read/UCX ... (same shape)" use ours measured the way ucx_perftest measures: one prepared transfer of one request of the block size from one random block-aligned remote offset into offset 0 of the registered destination, run() one post at a time, the same iterations and warm-up as the UCX run; the time is the wall time of the timed loop; every post\'s first and last destination byte are poisoned before it and checked after it, and the block is compared in full after the loop',
+        `UCX ratios "<lane> prepared/UCX ..." use the scattered kv fetch of the size sweep (layers × blocks over the whole holder region, 1 × 4 MiB at 4 MiB): not the shape UCX measures; "<lane> re-read/UCX ... (same shape)" use ours measured the way ucx_perftest measures: one prepared transfer of one request of the block size from one random block-aligned remote offset into offset 0 of the registered destination, run() one post at a time, the same iterations and warm-up as the UCX run, after untimed posts until ${s.warmupMs} ms had passed (as every kv method gets: JIT-compiled code, not V8's interpreter; UCX is C); the time is the wall time of the timed loop; every post's first and last destination byte are poisoned before it and checked after it, and the block is compared in full after the loop`,
       );
     }
     return { scenario: 'kv', measurements, ratios, verificationFailures: failures, notes };
