@@ -27,7 +27,8 @@ async function holder(blocks: number, lockTimeoutMs = 30_000): Promise<Holder> {
   const registration = await engine.register({ kind: 'host', buffer: region });
   // Block i lives at slot (i * 7) % blocks of the region: not in order, as a KV arena is.
   const map = new Map(Array.from({ length: blocks }, (_, i) => [`block:kv:${i}`, { registration, offset: ((i * 7) % blocks) * BLOCK, length: BLOCK }] as const));
-  const grants = engineGrants({ engine, blocks: map });
+  // And the same region as a numbered space (block n at slot n), for leases by number.
+  const grants = engineGrants({ engine, blocks: map, spaces: { arena: { registration, blockBytes: BLOCK } } });
   const server = new LockServer({ holderId: 'holder', lockTimeoutMs, minLeaseMs: Math.min(lockTimeoutMs, 1000), ...grants.lockServerOptions, logger: silentLogger });
   const port = await server.listen('127.0.0.1:0');
   return {
@@ -177,11 +178,11 @@ describe('fetch: lease + grant + read + release as one call', () => {
 describe('fetch across processes', () => {
   killChildrenAfterEach();
 
-  it('requesters SIGKILLed mid-fetch: the GC expires their leases and revokes each grant exactly once; counters balance', async () => {
+  it.each(['by id', 'by number'])('requesters SIGKILLed mid-fetch (blocks %s): the GC expires their leases and revokes each grant exactly once; counters balance; nothing stays pinned', async (form) => {
     // Leases of 3 s: long enough for a fetch on a loaded machine, short enough for the GC to
     // expire the killed requesters' leases within the test.
     const h = await holder(256, 3000);
-    const kids = [0, 1, 2].map(() => forkFixture('fetcher.mjs', [h.address, '256', String(BLOCK)]));
+    const kids = [0, 1, 2].map(() => forkFixture('fetcher.mjs', [h.address, '256', String(BLOCK), form === 'by number' ? 'numbered' : 'ids']));
     // Each child reports once it holds its lease; one that dies first fails the test at once.
     await Promise.all(
       kids.map((c) =>
@@ -209,6 +210,9 @@ describe('fetch across processes', () => {
     expect(c.acquired).toBe(18);
     expect(c.released).toBe(15);
     expect(c.expired).toBe(3);
+    expect(c.pinnedBlocks).toBe(0);
+    expect(c.blocksAcquired).toBe(c.blocksReleased + c.blocksExpired);
+    expect(h.server.table.pinCount(form === 'by number' ? 'block:arena:7' : 'block:kv:7')).toBe(0);
     expect(h.engine.liveGrants).toBe(0);
     await h.close();
   });
