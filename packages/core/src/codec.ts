@@ -46,7 +46,11 @@ export class ByteWriter {
   }
   u64(v: bigint | number): this {
     this.#ensure(8);
-    this.#view.setBigUint64(this.#pos, BigInt(v));
+    if (typeof v === 'number' && v >= 0 && v <= Number.MAX_SAFE_INTEGER && Number.isInteger(v)) {
+      // Two u32 halves: no BigInt made per field.
+      this.#view.setUint32(this.#pos, Math.floor(v / 0x1_0000_0000));
+      this.#view.setUint32(this.#pos + 4, v >>> 0);
+    } else this.#view.setBigUint64(this.#pos, BigInt(v));
     this.#pos += 8;
     return this;
   }
@@ -67,6 +71,24 @@ export class ByteWriter {
   }
   /** u8 length, then UTF-8. */
   str8(v: string): this {
+    const n = v.length;
+    if (n <= 0xff) {
+      // ASCII (ids, tokens, names): written in place, no encoded copy made first.
+      this.#ensure(1 + n);
+      const buf = this.#buf;
+      const at = this.#pos + 1;
+      let i = 0;
+      for (; i < n; i++) {
+        const c = v.charCodeAt(i);
+        if (c >= 0x80) break;
+        buf[at + i] = c;
+      }
+      if (i === n) {
+        buf[this.#pos] = n;
+        this.#pos = at + n;
+        return this;
+      }
+    }
     const b = textEncoder.encode(v);
     if (b.length > 0xff) throw new InvalidInputError(`string of ${b.length} bytes exceeds 255`);
     return this.u8(b.length).bytes(b);
@@ -121,11 +143,16 @@ export class ByteReader {
   }
   /** A u64 that must fit a safe JS integer. */
   safeU64(field: string): number {
-    const v = this.u64(field);
-    if (v > BigInt(Number.MAX_SAFE_INTEGER)) {
+    this.#need(8, field);
+    // Two u32 halves (no BigInt per field): below 2^53 exactly when the high half is below 2^21.
+    const hi = this.#view.getUint32(this.#pos);
+    if (hi >= 0x20_0000) {
+      const v = this.#view.getBigUint64(this.#pos);
       throw new InvalidInputError(`${this.#what}: ${field} ${v} exceeds the largest safe integer`, { details: { field } });
     }
-    return Number(v);
+    const lo = this.#view.getUint32(this.#pos + 4);
+    this.#pos += 8;
+    return hi * 0x1_0000_0000 + lo;
   }
   bytes(n: number, field: string): Uint8Array {
     this.#need(n, field);
