@@ -9,22 +9,65 @@ import { InvalidInputError } from './errors.js';
 const textEncoder = new TextEncoder();
 const textDecoder = new TextDecoder('utf-8', { fatal: true });
 
+/**
+ * The buffer writers work in: one writer at a time borrows it from construction to finish(),
+ * which copies its bytes out (so a descriptor costs one buffer, not a buffer, a grown one and a
+ * copy). A writer made while it is out (nested encoders) allocates its own. A borrower that
+ * never finishes (it threw) keeps it: after {@link SCRATCH_LOST_AFTER} writers in a row found it
+ * out, a new one is made (a buffer is never in the pool while a writer uses it).
+ */
+const SCRATCH_BYTES = 4096;
+const SCRATCH_LOST_AFTER = 32;
+let scratch: Uint8Array | undefined = new Uint8Array(SCRATCH_BYTES);
+let scratchView: DataView | undefined = new DataView(scratch.buffer);
+let scratchMissed = 0;
+/** A finished writer's buffer: any further write or finish() throws. */
+const FINISHED = new Uint8Array(0);
+const FINISHED_VIEW = new DataView(FINISHED.buffer);
+
+/**
+ * Big-endian fields and length-prefixed bytes and strings, into a buffer that grows. One use:
+ * `finish()` returns a copy of what was written, after which the writer takes no more writes.
+ */
 export class ByteWriter {
   #buf: Uint8Array;
   #view: DataView;
   #pos = 0;
+  #borrowed = false;
   constructor(initialCapacity = 64) {
-    this.#buf = new Uint8Array(initialCapacity);
-    this.#view = new DataView(this.#buf.buffer);
+    if (scratch === undefined && ++scratchMissed > SCRATCH_LOST_AFTER) {
+      scratch = new Uint8Array(SCRATCH_BYTES);
+      scratchView = new DataView(scratch.buffer);
+    }
+    if (scratch !== undefined && scratchView !== undefined && initialCapacity <= SCRATCH_BYTES) {
+      this.#buf = scratch;
+      this.#view = scratchView;
+      this.#borrowed = true;
+      scratch = undefined;
+      scratchView = undefined;
+    } else {
+      this.#buf = new Uint8Array(Math.max(1, initialCapacity));
+      this.#view = new DataView(this.#buf.buffer);
+    }
   }
   #ensure(n: number): void {
     if (this.#pos + n <= this.#buf.length) return;
-    let cap = this.#buf.length * 2;
+    if (this.#buf === FINISHED) throw new Error('ByteWriter: written to after finish()');
+    let cap = Math.max(64, this.#buf.length * 2);
     while (cap < this.#pos + n) cap *= 2;
     const next = new Uint8Array(cap);
     next.set(this.#buf.subarray(0, this.#pos));
+    this.#giveBack();
     this.#buf = next;
     this.#view = new DataView(next.buffer);
+  }
+  /** The borrowed scratch goes back to the pool (the writer no longer uses it). */
+  #giveBack(): void {
+    if (!this.#borrowed) return;
+    this.#borrowed = false;
+    scratch = this.#buf;
+    scratchView = this.#view;
+    scratchMissed = 0;
   }
   u8(v: number): this {
     this.#ensure(1);
@@ -93,8 +136,14 @@ export class ByteWriter {
     if (b.length > 0xff) throw new InvalidInputError(`string of ${b.length} bytes exceeds 255`);
     return this.u8(b.length).bytes(b);
   }
+  /** A copy of the bytes written. The writer is done: further writes and finish() throw. */
   finish(): Uint8Array {
-    return this.#buf.slice(0, this.#pos);
+    if (this.#buf === FINISHED) throw new Error('ByteWriter: finish() called twice');
+    const out = this.#buf.slice(0, this.#pos);
+    this.#giveBack();
+    this.#buf = FINISHED;
+    this.#view = FINISHED_VIEW;
+    return out;
   }
 }
 

@@ -70,6 +70,45 @@ describe('ByteWriter / ByteReader', () => {
     );
   });
 
+  it('writers used at the same time (nested encoders) never share bytes; a writer left unfinished does not break later ones', () => {
+    type Op = { w: number; f: { s: string } | { n: number | bigint } } | { finish: number } | { abandon: true };
+    const op: fc.Arbitrary<Op> = fc.oneof(
+      { weight: 8, arbitrary: fc.record({ w: fc.nat(3), f: fc.oneof(text.filter((x) => Buffer.byteLength(x, 'utf8') <= 255).map((x) => ({ s: x })), u64.map((n) => ({ n }))) }) },
+      { weight: 2, arbitrary: fc.record({ finish: fc.nat(3) }) },
+      { weight: 1, arbitrary: fc.constant({ abandon: true as const }) },
+    );
+    fc.assert(
+      fc.property(fc.array(op, { maxLength: 80 }), (ops) => {
+        let writers: { w: ByteWriter; fields: ({ s: string } | { n: number | bigint })[] }[] = [0, 1, 2, 3].map(() => ({ w: new ByteWriter(), fields: [] }));
+        const check = (k: number): void => {
+          const x = writers[k] as { w: ByteWriter; fields: ({ s: string } | { n: number | bigint })[] };
+          expect(Buffer.from(x.w.finish()).equals(reference(x.fields))).toBe(true);
+          expect(() => x.w.finish()).toThrow(/finish\(\) called twice/);
+          expect(() => x.w.u8(1)).toThrow(/written to after finish/);
+          writers[k] = { w: new ByteWriter(), fields: [] };
+        };
+        for (const o of ops) {
+          if ('abandon' in o) {
+            // A writer dropped mid-way (its encoder threw): the next ones work all the same.
+            new ByteWriter().str8('dropped').u64(7);
+            writers = writers.map(() => ({ w: new ByteWriter(), fields: [] }));
+          } else if ('finish' in o) check(o.finish);
+          else {
+            const x = writers[o.w] as { w: ByteWriter; fields: ({ s: string } | { n: number | bigint })[] };
+            if ('s' in o.f) x.w.str8(o.f.s);
+            else x.w.u64(o.f.n);
+            x.fields.push(o.f);
+          }
+        }
+        for (let k = 0; k < writers.length; k++) check(k);
+      }),
+      { numRuns: 500 },
+    );
+    // Many writers left unfinished in a row: later ones still encode right (the pool's buffer is remade).
+    for (let i = 0; i < 100; i++) new ByteWriter().u32(i);
+    for (let i = 0; i < 100; i++) expect([...new ByteWriter().u32(i).str8('x').finish()]).toEqual([0, 0, i >> 8, i & 255, 1, 0x78]);
+  });
+
   it('refuses a string of more than 255 UTF-8 bytes, ASCII or not', () => {
     for (const s of ['a'.repeat(256), 'é'.repeat(128), `${'a'.repeat(254)}é`]) {
       expect(() => new ByteWriter().str8(s)).toThrow(InvalidInputError);
