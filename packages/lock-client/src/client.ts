@@ -38,7 +38,7 @@ import { fetchBlocks, type FetchDestination, type FetchGuard, type FetchOptions 
 import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
 import { HolderLane, type LaneHooks, type LaneStats, type LaneTransport, type ReleaseResult, type RetryBudget } from './holder-lane.js';
-import { blockIdProblem, numberedBlockIds, occursBefore, PAIRWISE_MAX, type NumberedBlocks } from './ids.js';
+import { blockIdsProblem, numberedBlockIds, type NumberedBlocks } from './ids.js';
 import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type ClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
@@ -216,18 +216,8 @@ function checkBlocks(blocks: readonly string[] | NumberedBlocks): NumberedBlocks
   if (Array.isArray(blocks)) {
     const blockIds = blocks as readonly string[];
     if (blockIds.length === 0) throw new InvalidInputError('block list is empty', { details: { field: 'blockIds' } });
-    // Checked in order, each id for its form and then for repeating an earlier one.
-    const n = blockIds.length;
-    const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
-    for (let i = 0; i < n; i++) {
-      const id = blockIds[i] as string;
-      const problem = blockIdProblem(id);
-      if (problem !== undefined) throw new InvalidInputError(`block id: ${problem}`, { details: { field: 'blockIds' } });
-      if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) {
-        throw new InvalidInputError(`block id ${JSON.stringify(id)} appears twice`, { details: { field: 'blockIds' } });
-      }
-      seen?.add(id);
-    }
+    const problem = blockIdsProblem(blockIds);
+    if (problem !== undefined) throw new InvalidInputError(problem, { details: { field: 'blockIds' } });
     return undefined;
   }
   const b = blocks as Partial<NumberedBlocks> | null | undefined;

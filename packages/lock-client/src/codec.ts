@@ -222,14 +222,7 @@ function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
     buf[pos++] = 0x3a; // 7: block_numbers, packed (as protobufjs writes a non-empty repeated uint32)
     pos = writeVarint(buf, pos, packed);
     const ns = blockNumbers as Uint32Array;
-    for (let i = 0; i < ns.length; i++) {
-      let v = ns[i] as number;
-      while (v >= 0x80) {
-        buf[pos++] = (v & 0x7f) | 0x80;
-        v >>>= 7;
-      }
-      buf[pos++] = v;
-    }
+    for (let i = 0; i < ns.length; i++) pos = writeVarint(buf, pos, ns[i] as number);
   }
   if (pos !== size) throw new Error(`AcquireRequest encoder wrote ${pos} bytes, expected ${size}`);
   return buf;

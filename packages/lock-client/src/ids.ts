@@ -24,6 +24,26 @@ export function sessionIdProblem(value: unknown): string | undefined {
 /** Lists at most this long are checked for duplicates pairwise (no allocation). */
 export const PAIRWISE_MAX = 16;
 
+/**
+ * What is wrong with a list of block ids, checked in order, each id for its form, then for
+ * `also` (a caller's own rule, when given), then for repeating an earlier one; undefined when
+ * nothing is. The requester and the holder check an acquire's ids with it.
+ */
+export function blockIdsProblem(ids: readonly string[], also?: (id: string) => string | undefined): string | undefined {
+  const n = ids.length;
+  const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
+  for (let i = 0; i < n; i++) {
+    const id = ids[i] as string;
+    const problem = blockIdProblem(id);
+    if (problem !== undefined) return `block id: ${problem}`;
+    const other = also?.(id);
+    if (other !== undefined) return other;
+    if (seen === undefined ? occursBefore(ids, i) : seen.has(id)) return `block id ${JSON.stringify(id)} appears twice`;
+    seen?.add(id);
+  }
+  return undefined;
+}
+
 /** Whether `ids[i]` also occurs before index `i` (pairwise; for short lists). */
 export function occursBefore(ids: readonly string[], i: number): boolean {
   const id = ids[i];

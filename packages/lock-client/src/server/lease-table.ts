@@ -18,7 +18,7 @@
 import { randomBytes } from 'node:crypto';
 import { formatId, isToken, ownerProblem, type Logger, silentLogger } from '@tensorwire/core';
 import { LeaseError, type LeaseStatus } from '../errors.js';
-import { blockIdProblem, numberedBlockIds, occursBefore, PAIRWISE_MAX, sessionIdProblem, type NumberedBlocks } from '../ids.js';
+import { blockIdsProblem, numberedBlockIds, sessionIdProblem, type NumberedBlocks } from '../ids.js';
 import { DeadlineHeap, type HeapEntry } from './heap.js';
 
 /** Milliseconds on some monotonic-enough timeline; the table only compares and adds. */
@@ -384,21 +384,10 @@ export class LeaseTable {
       n = blockIds.length;
       if (n === 0) this.#reject('acquire', 'INVALID_ARGUMENT', 'block list is empty');
       if (n > this.maxBlocksPerSession) this.#reject('acquire', 'RESOURCE_EXHAUSTED', `${n} blocks requested; at most ${this.maxBlocksPerSession} per session`);
-      // Checked in order, each id for its form and then for repeating an earlier one.
-      const seen = n <= PAIRWISE_MAX ? undefined : new Set<string>();
+      // Each id for its form, then (one name per block) outside every numbered space, then not a repeat.
       const spaces = this.#spaces.size === 0 ? undefined : this.#spaces;
-      for (let i = 0; i < n; i++) {
-        const id = blockIds[i] as string;
-        const problem = blockIdProblem(id);
-        if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', `block id: ${problem}`);
-        if (spaces !== undefined) {
-          for (const sp of spaces.values()) {
-            if (id.startsWith(sp.prefix)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${id} is in numbered space ${sp.owner}: acquire its blocks by number`);
-          }
-        }
-        if (seen === undefined ? occursBefore(blockIds, i) : seen.has(id)) this.#reject('acquire', 'INVALID_ARGUMENT', `block id ${JSON.stringify(id)} appears twice`);
-        seen?.add(id);
-      }
+      const problem = blockIdsProblem(blockIds, spaces && ((id) => this.#inSpace(spaces, id)));
+      if (problem !== undefined) this.#reject('acquire', 'INVALID_ARGUMENT', problem);
     }
     const leaseMs = this.#leaseMs('acquire', params.leaseMs);
     const acquireId = params.acquireId === undefined || params.acquireId === '' ? undefined : params.acquireId;
@@ -430,6 +419,12 @@ export class LeaseTable {
     this.#blocksAcquired += n;
     this.#activeBlocks += n;
     return lease;
+  }
+
+  /** Why an id may not be acquired by id: it names a block of a numbered space. */
+  #inSpace(spaces: ReadonlyMap<string, SpaceState>, id: string): string | undefined {
+    for (const sp of spaces.values()) if (id.startsWith(sp.prefix)) return `block id ${id} is in numbered space ${sp.owner}: acquire its blocks by number`;
+    return undefined;
   }
 
   /** Each number inside the space, none twice (one pass: the space's `seen` stamps). */
