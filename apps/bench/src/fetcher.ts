@@ -67,7 +67,7 @@ export interface FetchResult {
 
 /** The names of the subject rows (the same in `run` and `fetch`). */
 export const FETCH_WALL = 'leased fetch via client.fetch (lease + range grant + read + verify + release, wall clock)';
-export const FETCH_FLOW = 'leased fetch via client.fetch (lease + range grant + read + release; verification outside the timed part)';
+export const FETCH_FLOW = 'leased fetch via client.fetch (lease + range grant + read, then disposal; verification outside the timed part)';
 
 /** Subject and stage rows from one or more requester runs of the same lane (figures over all of them). */
 export function fetchMeasurements(parts: readonly FetchResult[], blockBytes: number, suffix = ''): Measurement[] {
@@ -84,7 +84,7 @@ export function fetchMeasurements(parts: readonly FetchResult[], blockBytes: num
     stage('acquire', 'client.fetch minus its engine.read (gRPC acquire, pin + engine.grant on the holder, lease decode)'),
     stage('read', 'the engine.read inside client.fetch'),
     stage('verify', 'Buffer.compare of every block, poison first/last byte of each'),
-    stage('release', 'lease release (gRPC round trip)'),
+    stage('release', 'disposal of the fetch guard (queues the release; its answer is awaited after the loop)'),
   ];
 }
 
@@ -125,6 +125,8 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
   let explained = false;
   let flowMs = 0;
   const stages: FetchStages = { fetch: [], acquire: [], read: [], verify: [], release: [] };
+  /** Each fetch's release (1 if the holder did not confirm it), awaited after the loop. */
+  const releases: Promise<number>[] = [];
   const s = o.blockBytes;
   try {
     const lanes = await Promise.all(
@@ -179,8 +181,10 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
             bytes += chosen.length * s;
             fetches++;
             const t2 = nowMs();
-            await fetch.release();
+            // What the end of the `await using` scope does: queue the release, not wait for it.
+            await fetch[Symbol.asyncDispose]();
             const t3 = nowMs();
+            releases.push(fetch.release().then((r) => (r.confirmed ? 0 : 1)));
             stages.fetch.push(t1 - t0);
             stages.read.push(readMs);
             stages.acquire.push(t1 - t0 - readMs);
@@ -202,6 +206,10 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
       }),
     );
     const elapsed = nowMs() - start;
+    // Every release the fetches queued, answered: one the holder did not confirm is a failure.
+    const unconfirmed = (await Promise.all(releases)).reduce((t, x) => t + x, 0);
+    if (unconfirmed > 0) notes.push(`${unconfirmed} of ${releases.length} releases were not confirmed by the holder  <-- FAILURE`);
+    failures += unconfirmed;
     const transport = [...used].join('+') || (chosenTransport ?? 'none');
     if (used.size > 0 && (used.size !== 1 || !used.has(chosenTransport as string))) notes.push(`transports the engine reported using: ${transport} (explain() said ${chosenTransport})  <-- MISMATCH`);
     const result: FetchResult = { measurements: [], ratios: [], verificationFailures: failures, notes, fetches, failedFetches, transport, bytes, elapsedMs: elapsed, flowMs, stages };

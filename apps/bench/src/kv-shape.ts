@@ -154,7 +154,8 @@ export interface KvMethodResult {
   /** Ranges of the prepared transfer after the engine merged adjacent requests. */
   readonly ranges?: number;
   /** Leased methods: median ms of client.fetch (acquire + grant + read: the bytes are usable) and of the release that follows, per timed fetch. */
-  readonly leaseSplit?: { readonly fetchMs: number; readonly releaseMs: number };
+  /** Medians: client.fetch, its disposal (queues the release), and the release's answer after the fetch returned. */
+  readonly leaseSplit?: { readonly fetchMs: number; readonly releaseMs: number; readonly confirmMs: number };
 }
 
 /**

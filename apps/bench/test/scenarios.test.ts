@@ -79,7 +79,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(kv.verificationFailures).toBe(0);
     const transports = sameHost ? ['cuda-ipc', 'tcp'] : ['tcp'];
     for (const t of transports) {
-      for (const name of [`${t}: engine.prepare + run()`, `${t}: engine.read`, `${t}: client.fetch (lease + range grant + read + release)`]) {
+      for (const name of [`${t}: engine.prepare + run()`, `${t}: engine.read`, `${t}: client.fetch (lease + range grant + read), disposed (release queued)`]) {
         const rows = kv.measurements.filter((m) => m.name === name);
         expect(rows.length, name).toBeGreaterThan(0);
         for (const m of rows) {

@@ -63,23 +63,49 @@ import {
 import { appendMerged, findOverlap, splitIntoBatches } from './plan.js';
 
 
-/** Decoded values of byte blobs, by blob object; a blob whose bytes changed since is decoded again. */
+/**
+ * Decoded values of byte blobs, by blob object; a blob whose bytes changed since is decoded again.
+ * A new blob object with the bytes of one decoded lately (a holder's endpoint, which every fetch
+ * descriptor carries afresh) gets that decode's value: the same PeerEndpoint object, so the
+ * transport choice and the connection found for it are found again, not made again.
+ */
 class DecodeCache<T> {
-  readonly #entries = new WeakMap<Uint8Array, { readonly copy: Uint8Array; readonly value: T }>();
+  readonly #entries = new WeakMap<Uint8Array, DecodeEntry<T>>();
+  /** The latest distinct decodes, newest first, matched by content when the blob object is new. */
+  readonly #recent: DecodeEntry<T>[] = [];
   readonly #decode: (bytes: Uint8Array) => T;
   constructor(decode: (bytes: Uint8Array) => T) {
     this.#decode = decode;
   }
   get(bytes: Uint8Array): T {
     const hit = this.#entries.get(bytes);
-    if (hit !== undefined && hit.copy.length === bytes.length && Buffer.compare(hit.copy, bytes) === 0) return hit.value;
+    if (hit !== undefined && sameBytes(hit.copy, bytes)) return hit.value;
+    for (const e of this.#recent) {
+      if (sameBytes(e.copy, bytes)) {
+        this.#entries.set(bytes, e);
+        return e.value;
+      }
+    }
     // Decode the private copy (its own exact-size buffer, not a slab of Node's pool): a blob in
     // shared memory may change while it is read, and the copy is what later calls compare to.
     const copy = new Uint8Array(bytes);
-    const value = this.#decode(copy);
-    this.#entries.set(bytes, { copy, value });
-    return value;
+    const entry = { copy, value: this.#decode(copy) };
+    this.#entries.set(bytes, entry);
+    if (this.#recent.unshift(entry) > RECENT_DECODES) this.#recent.pop();
+    return entry.value;
   }
+}
+
+interface DecodeEntry<T> {
+  readonly copy: Uint8Array;
+  readonly value: T;
+}
+
+/** How many distinct blobs {@link DecodeCache} matches by content (one compare each on a miss). */
+const RECENT_DECODES = 8;
+
+function sameBytes(a: Uint8Array, b: Uint8Array): boolean {
+  return a.length === b.length && Buffer.compare(a, b) === 0;
 }
 
 export interface TransferEngineOptions {

@@ -945,7 +945,9 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     this.#stopTimers(r);
     this.#finalizer.unregister(r);
     const closing = this.#isClosing;
-    this.#endSignal(r, () => (closing ? new ClosedError('lock client closed') : new AbortedError(`lease ${r.sessionId} released`)));
+    // The reason of an ordinary end carries no stack: capturing one cost tens of µs per lease
+    // (measured on the fetch path), and where the lease was released from tells nothing.
+    this.#endSignal(r, () => withoutStack(() => (closing ? new ClosedError('lock client closed') : new AbortedError(`lease ${r.sessionId} released`))));
     // Retry until the lease would have expired at the holder anyway (its deadline there is
     // never earlier than ours), and at least once.
     const p = this.#releaseLease(r);
@@ -1023,5 +1025,16 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
 
   async [Symbol.asyncDispose](): Promise<void> {
     await this.close();
+  }
+}
+
+/** `make()` with stack capture off: for errors that only say why a signal ended. */
+function withoutStack<T>(make: () => T): T {
+  const limit = Error.stackTraceLimit;
+  Error.stackTraceLimit = 0;
+  try {
+    return make();
+  } finally {
+    Error.stackTraceLimit = limit;
   }
 }

@@ -6,8 +6,9 @@
  * transport the engine chooses for the holder) into its destination, checks that every
  * granted range has the length the caller expects, and returns a guard. The lease is
  * released exactly once: when the guard is disposed or released, or at once when anything
- * fails (the error is then rethrown). The holder must serve leases with `engineGrants`
- * (`@tensorwire/lock-client/server`).
+ * fails (the error is then rethrown). Disposal does not wait for the holder's answer to the
+ * release (release never blocks a fetch); `release()` does. The holder must serve leases with
+ * `engineGrants` (`@tensorwire/lock-client/server`).
  */
 import {
   InvalidInputError,
@@ -17,7 +18,6 @@ import {
   type MemoryDescriptor,
   type TransferEngine,
   type TransferReport,
-  type TransferRequest,
 } from '@tensorwire/core';
 import type { AcquireOptions, LockGuard, ReleaseResult } from './client.js';
 import { decodeFetchDescriptor } from './fetch-descriptor.js';
@@ -51,14 +51,30 @@ export class FetchGuard implements AsyncDisposable {
   get transport(): string {
     return this.report.transport;
   }
-  /** Release the lease (idempotent, never rejects). */
+  /**
+   * Release the lease (idempotent, never rejects): resolves with the holder's answer. Every
+   * later call, disposal included, returns the same release.
+   */
   release(): Promise<ReleaseResult> {
     return this.lease.release();
   }
-  async [Symbol.asyncDispose](): Promise<void> {
-    await this.lease.release();
+  /**
+   * Starts the release and returns without waiting for the holder's answer: the bytes are in
+   * place already, so a fetch does not pay a second round trip. The client's release queue
+   * sends it, retries it and reports a failure (`releaseFailed`, `release_failures_total`);
+   * `client.close()` waits for it; `await fetch.release()` waits for the answer when needed.
+   */
+  [Symbol.asyncDispose](): Promise<void> {
+    void this.lease.release();
+    return Promise.resolve();
   }
 }
+
+/** A request of a reused list: `range` is its index, the rest is rewritten per fetch. */
+type MutableRequest = { local: Registration; localOffset: number; remote: MemoryDescriptor; readonly range: number; length: number };
+
+/** Per destinations array: its request list, and whether a read is using it now. */
+const requestLists = new WeakMap<readonly FetchDestination[], { readonly requests: MutableRequest[]; busy: boolean }>();
 
 /** @internal The body of {@link LockClient.fetch}, given its acquire. */
 export async function fetchBlocks(
@@ -76,7 +92,8 @@ export async function fetchBlocks(
       details: { field: 'destinations' },
     });
   }
-  for (const [i, d] of destinations.entries()) {
+  for (let i = 0; i < count; i++) {
+    const d = destinations[i];
     if (!(d?.local instanceof Registration)) throw new InvalidInputError(`destinations[${i}].local must be a Registration of the engine`, { details: { field: 'destinations', request: i } });
   }
   const { deadline, ...acquireOptions } = options;
@@ -105,19 +122,39 @@ export async function fetchBlocks(
     if (lengths.length !== count) {
       throw new RemoteRejectedError(`holder ${lease.holderId} granted ${lengths.length} ranges for ${count} blocks`, { details: { remoteCode: 'grant-shape' } });
     }
-    const requests: TransferRequest[] = new Array<TransferRequest>(count);
+    // The request list of the last fetch into these destinations, rewritten in place when no
+    // read is using it (a KV fetch loop passes the same destinations every time): no object
+    // per block per fetch.
+    let reuse = requestLists.get(destinations);
+    if (reuse === undefined || reuse.busy || reuse.requests.length !== count) {
+      reuse = { requests: new Array<MutableRequest>(count), busy: false };
+      requestLists.set(destinations, reuse);
+    }
+    const requests = reuse.requests;
     for (let i = 0; i < count; i++) {
       const dest = destinations[i] as FetchDestination;
       const granted = lengths[i] as number;
       if (dest.length !== undefined && dest.length !== granted) {
         throw new InvalidInputError(`block ${lease.blockIds[i] as string} is ${granted} bytes on the holder, the destination expects ${dest.length}`, { details: { field: 'destinations', request: i } });
       }
-      requests[i] = { local: dest.local, localOffset: dest.offset ?? 0, remote: d, range: i, length: granted };
+      const q = requests[i];
+      if (q === undefined) requests[i] = { local: dest.local, localOffset: dest.offset ?? 0, remote: d, range: i, length: granted };
+      else {
+        q.local = dest.local;
+        q.localOffset = dest.offset ?? 0;
+        q.remote = d;
+        q.length = granted;
+      }
     }
     const until = deadline === undefined ? lease.transferDeadline : Math.min(deadline, lease.transferDeadline);
     const signal = options.signal ? AbortSignal.any([options.signal, lease.signal]) : lease.signal;
-    const report = await engine.read(endpoint, requests, { deadline: until, signal });
-    return new FetchGuard(lease, report);
+    reuse.busy = true;
+    try {
+      const report = await engine.read(endpoint, requests, { deadline: until, signal });
+      return new FetchGuard(lease, report);
+    } finally {
+      reuse.busy = false;
+    }
   } catch (e) {
     await lease.release();
     throw e;

@@ -3,8 +3,9 @@
  * real TCP engines and a real lock service on loopback.
  */
 import { once } from 'node:events';
+import net from 'node:net';
 import { describe, expect, it } from 'vitest';
-import { InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
+import { AbortedError, InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
 import { LockClient, decodeFetchDescriptor } from '../src/index.js';
 import { LockServer, engineGrants, type EngineGrants } from '../src/server/index.js';
 import { forkFixture, killChildrenAfterEach } from './children.js';
@@ -106,6 +107,39 @@ describe('fetch: lease + grant + read + release as one call', () => {
     await h.close();
   });
 
+  it('one destinations array reused across fetches (its entries changed in between) and by two fetches at once: every block lands where its destination says now', async () => {
+    const h = await holder(64);
+    const r = await requester();
+    const dests = Array.from({ length: 8 }, (_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    const check = (blockIds: number[], at: (k: number) => number): void => {
+      for (const [k, b] of blockIds.entries()) expect(Buffer.compare(r.dst.subarray(at(k), at(k) + BLOCK), slotOf(h.region, b, 64))).toBe(0);
+    };
+    const some = (from: number): number[] => Array.from({ length: 8 }, (_, k) => from + 3 * k);
+    for (const [round, from] of [0, 1, 2].entries()) {
+      r.dst.fill(0);
+      const chosen = some(from);
+      await using fetch = await r.client.fetch(r.engine, h.address, chosen.map((b) => `block:kv:${b}`), dests, { timeoutMs: 10_000 });
+      expect(fetch.report.requests).toBe(8);
+      check(chosen, (k) => (round * 8 + k) * BLOCK);
+      // The caller moves its destinations: the next fetch must follow them.
+      for (const [k, d] of dests.entries()) d.offset = ((round + 1) * 8 + k) * BLOCK;
+    }
+    // Two fetches at once through the same array (the same blocks, so the same bytes land twice).
+    const shared = dests.slice(0, 4).map((d, k) => ({ ...d, offset: k * BLOCK }));
+    const four = some(40).slice(0, 4);
+    r.dst.fill(0);
+    const [a, b] = await Promise.all([0, 1].map(() => r.client.fetch(r.engine, h.address, four.map((x) => `block:kv:${x}`), shared, { timeoutMs: 10_000 })));
+    expect(a?.lease.sessionId).not.toBe(b?.lease.sessionId);
+    check(four, (k) => k * BLOCK);
+    await Promise.all([a?.release(), b?.release()]);
+    await waitFor(() => h.server.counters().active === 0, 'leases released');
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 5, revoked: 5, live: 0 });
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
   it('a grant is usable only under its live lease: after release, another requester holding its descriptor is refused', async () => {
     const h = await holder(16);
     const r = await requester('r1');
@@ -172,6 +206,82 @@ describe('fetch: lease + grant + read + release as one call', () => {
     expect(grants.counters()).toMatchObject({ issued: 1, revoked: 1, live: 0 });
     expect(engine.liveGrants).toBe(0);
     await engine.close();
+  });
+});
+
+/** A TCP relay to `target` that can hold back what the far side sends (the holder's answers) and let it through later. */
+async function relay(target: string): Promise<{ address: string; hold(on: boolean): void; close(): Promise<void> }> {
+  const [host, port] = [target.slice(0, target.lastIndexOf(':')), Number(target.slice(target.lastIndexOf(':') + 1))];
+  const sockets = new Set<net.Socket>();
+  const held: { to: net.Socket; data: Buffer }[] = [];
+  let holding = false;
+  const server = net.createServer((client) => {
+    const up = net.connect(port, host);
+    for (const s of [client, up]) {
+      sockets.add(s);
+      s.on('error', () => undefined);
+      s.on('close', () => (s === client ? up : client).destroy());
+    }
+    client.on('data', (d: Buffer) => up.write(d));
+    up.on('data', (d: Buffer) => (holding ? held.push({ to: client, data: d }) : client.write(d)));
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  return {
+    address: `127.0.0.1:${(server.address() as net.AddressInfo).port}`,
+    hold(on: boolean) {
+      holding = on;
+      if (!on) for (const h of held.splice(0)) h.to.write(h.data);
+    },
+    async close() {
+      for (const s of sockets) s.destroy();
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
+}
+
+const sleep = (ms: number): Promise<'waited'> => new Promise((r) => setTimeout(() => r('waited'), ms));
+
+describe('fetch: release never blocks', () => {
+  it("disposal queues the release and returns while the holder's answer is held back; the release reaches the holder once and is confirmed later; close() waits for it", async () => {
+    const h = await holder(16);
+    const rl = await relay(h.address);
+    const r = await requester();
+    const dests = ids(4).map((_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    const fetch = await r.client.fetch(r.engine, rl.address, ids(4), dests, { timeoutMs: 10_000 });
+    rl.hold(true);
+    // The holder cannot answer now: a disposal that waited for it would still be waiting.
+    expect(await Promise.race([fetch[Symbol.asyncDispose]().then(() => 'returned' as const), sleep(3000)])).toBe('returned');
+    expect(fetch.lease.released).toBe(true);
+    expect(fetch.lease.signal.reason).toBeInstanceOf(AbortedError);
+    // The lease's end reason is made without a stack, and stack capture is back on after it.
+    expect(new Error('after the release').stack?.split('\n').length).toBeGreaterThan(1);
+    // The release itself went out: the holder ended the lease and revoked its grant.
+    await waitFor(() => h.server.counters().released === 1, 'the release at the holder');
+    expect(h.grants.counters()).toMatchObject({ issued: 1, revoked: 1, live: 0 });
+    const answer = fetch.release();
+    expect(fetch.release()).toBe(answer); // one release, whoever asks
+    expect(await Promise.race([answer.then(() => 'answered' as const), sleep(200)])).toBe('waited');
+    rl.hold(false);
+    expect(await answer).toMatchObject({ confirmed: true, blocksReleased: 4 });
+
+    // close() waits for a release whose answer is still held back.
+    const second = await r.client.fetch(r.engine, rl.address, ids(4), dests, { timeoutMs: 10_000 });
+    rl.hold(true);
+    await second[Symbol.asyncDispose]();
+    let closed = false;
+    const closing = r.client.close().then(() => (closed = true));
+    await waitFor(() => h.server.counters().released === 2, 'the second release at the holder');
+    await sleep(100);
+    expect(closed).toBe(false);
+    rl.hold(false);
+    await closing;
+    expect(await second.release()).toMatchObject({ confirmed: true, blocksReleased: 4 });
+    expect(r.client.counters()).toMatchObject({ acquired: 2, released: 2, releaseFailures: 0, active: 0 });
+    expect(h.server.counters()).toMatchObject({ acquired: 2, released: 2, expired: 0, active: 0 });
+    balanced(h);
+    await r.close();
+    await rl.close();
+    await h.close();
   });
 });
 

@@ -100,12 +100,12 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
 const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-prepared': (t) => `${t}: engine.prepare + run()`,
   'same-host-read': (t) => `${t}: engine.read`,
-  'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
+  'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
   'same-host-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
   'same-host-leased-ids': (t) => `${t}: client.fetch of the same blocks by id (one string per block)`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
-  'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read + release)`,
+  'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
   'tcp-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
   raw: () => 'raw node:net stream (same byte count)',
   memcpy: () => 'memcpy (Buffer.copy per descriptor, JS loop)',
@@ -243,7 +243,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           descriptorsPerSec: median(runs.map((x) => x.descriptors / (x.ms / 1000))),
           ...(m !== 'raw' && m !== 'memcpy' && m !== 'memcpy-shm' ? { transport } : {}),
           latency: summarize(runs.flatMap((x) => x.latencies)),
-          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}), ...(splits.length > 0 ? { clientFetchMedianMs: median(splits.map((x) => x.fetchMs)), releaseMedianMs: median(splits.map((x) => x.releaseMs)) } : {}) },
+          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}), ...(splits.length > 0 ? { clientFetchMedianMs: median(splits.map((x) => x.fetchMs)), releaseMedianMs: median(splits.map((x) => x.releaseMs)), releaseConfirmedMedianMs: median(splits.map((x) => x.confirmMs)) } : {}) },
         });
       }
       for (const [lane, baseline, kind] of [
@@ -407,7 +407,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
       `each method, per shape and round: untimed warm-up fetches (${s.warmupMs > 0 ? `at least 20, more until they took ${s.warmupMs} ms, at most 1,000` : 'one'}; extra.firstCallMs is the very first call of the method, in round 1: the cold cost), then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}) and, past those, more until the timed calls took ${s.minMs} ms (at most 1,000), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round; a ratio row is the median of its per-round ratios (subject and baseline of the same round; \`rounds\` in the JSON)`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
-      'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s blocks with engineGrants; one engine.read; length checks) then release (the grant is revoked); the ratio against engine.read is the lease + grant overhead. The blocks are named by number in the holder\'s numbered block space of the block size (`{ owner: \'kv-<bytes>\', numbers }`: the owner once, the numbers packed; the lease table counts pins in a typed array; the grant is the block grant of the numbers); "by id" is the same fetch naming each block by an id string (`block:kv:<offset>_<bytes>`, looked up in the holder\'s block map, pinned in its map of ids)',
+      'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s blocks with engineGrants; one engine.read; length checks) then its disposal, as `await using` does: the release (the holder revokes the grant) is queued and not waited for; every release\'s answer is awaited after the method\'s fetches and must confirm it; the ratio against engine.read is the lease + grant overhead. The blocks are named by number in the holder\'s numbered block space of the block size (`{ owner: \'kv-<bytes>\', numbers }`: the owner once, the numbers packed; the lease table counts pins in a typed array; the grant is the block grant of the numbers); "by id" is the same fetch naming each block by an id string (`block:kv:<offset>_<bytes>`, looked up in the holder\'s block map, pinned in its map of ids)',
       'grant cost: on the holder, engine.grant over N scattered 4 KiB ranges of its region then revoke, median µs of 200 samples per size, the sizes interleaved sample by sample (rotating order), in two forms of the same ranges (a block grant, 4 KiB blocks by index, what engineGrants makes of a lease whose blocks lie on the region\'s grid as the kv blocks do; and a range grant, a Float64Array of ranges, for any ranges) and two orders of the same kind of lease: sorted (stride 7919 blocks, in offset order) and unsorted (the order of a real lease\'s blocks: layer-major, the same random block ids in every layer, as the kv fetches; offsets rise only across layers); against engine.register of each 4 KiB block separately (what a lease cost before range grants). The flatness goal (0.5 at 10,000) is on the sorted block-grant rows; the other flatness and per-block ratios are without goals',
       'verification: before every timed fetch the first and last byte of 4 sampled descriptors are poisoned, after it those descriptors are compared in full with the pattern at their remote offsets; after the last fetch of each method every descriptor is compared in full (destination zeroed before each method)',
       'memcpy baseline: the same descriptors, Buffer.copy per descriptor in a JS loop inside the requester, from a process-local copy of the holder pattern (JS-driven: its per-descriptor cost includes the JS call); verified against the requester\'s shared-segment copy of the pattern, not the buffer it copies from, so that verification does not leave its source in the caches (every method is verified against a buffer it does not read)',
@@ -424,8 +424,9 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         const readMs = median(reads.flatMap((x) => x.latencies));
         const fetchMs = median(split.map((x) => x.fetchMs));
         const releaseMs = median(split.map((x) => x.releaseMs));
+        const confirmMs = median(split.map((x) => x.confirmMs));
         notes.push(
-          `${lane} leased fetch @ ${label(c)}, medians: client.fetch ${fetchMs.toFixed(3)} ms (acquire + grant + read: the bytes are usable), then release ${releaseMs.toFixed(3)} ms; engine.read alone ${readMs.toFixed(3)} ms (median call of the same round(s)): the lease adds about ${Math.max(0, fetchMs - readMs).toFixed(3)} ms before the bytes are usable and ${releaseMs.toFixed(3)} ms after (one gRPC round trip each on the Session stream)`,
+          `${lane} leased fetch @ ${label(c)}, medians: client.fetch ${fetchMs.toFixed(3)} ms (acquire + grant + read: the bytes are usable), then disposal ${releaseMs.toFixed(3)} ms (queues the release); engine.read alone ${readMs.toFixed(3)} ms (median call of the same round(s)): the lease adds about ${Math.max(0, fetchMs - readMs).toFixed(3)} ms before the bytes are usable (one gRPC round trip on the Session stream); the holder confirmed each release ${confirmMs.toFixed(3)} ms after client.fetch returned, outside the timed calls`,
         );
       }
     }

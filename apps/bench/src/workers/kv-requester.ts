@@ -244,7 +244,9 @@ async function timed(
 }
 
 /**
- * Leased: the library's fetch flow per fetch: acquire + one grant + one batched read + release.
+ * Leased: the library's fetch flow per fetch: acquire + one grant + one batched read, then
+ * disposal (the release is queued; its answer is awaited outside the timed calls and must be
+ * a confirmation for every lease).
  * The blocks by number in the holder's space of `s`-byte blocks, or (`byId`) by id strings.
  */
 async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient, byId = false): Promise<Omit<KvMethodResult, 'method'>> {
@@ -259,18 +261,33 @@ async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: num
   const blocks = byId ? ids : { owner: kvSpace(s), numbers };
   const fetchMs: number[] = [];
   const releaseMs: number[] = [];
+  const confirmMs: number[] = [];
+  const releases: Promise<void>[] = [];
+  const unconfirmed: string[] = [];
   const r = await timed(offsets, s, fetches, random, async () => {
     const t0 = nowMs();
     const f = await client.fetch(l.engine, cfg.lockAddress, blocks, destinations, { timeoutMs: 10_000 });
     const t1 = nowMs();
-    await f.release();
+    // What `await using` does: disposal queues the release and returns (release never blocks a fetch).
+    await f[Symbol.asyncDispose]();
+    const t2 = nowMs();
     fetchMs.push(t1 - t0);
-    releaseMs.push(nowMs() - t1);
+    releaseMs.push(t2 - t1);
+    // The same release (idempotent): its answer, outside the timed call.
+    releases.push(
+      f.release().then((res) => {
+        confirmMs.push(nowMs() - t1);
+        if (!res.confirmed) unconfirmed.push(`lease ${f.lease.sessionId}: ${res.error?.message ?? 'not confirmed'}`);
+      }),
+    );
     return { transport: f.transport };
   });
+  await Promise.all(releases);
+  // Every lease of the method was released and the holder said so: none left to its expiry GC.
+  if (unconfirmed.length > 0) throw new Error(`${unconfirmed.length} of ${releases.length} releases were not confirmed: ${unconfirmed.slice(0, 3).join('; ')}`);
   // The timed fetches are the last ones (the warm-up came first).
   const med = (x: number[]): number => x.slice(-r.fetches).sort((a, b) => a - b)[Math.floor(Math.min(x.length, r.fetches) / 2)] as number;
-  return { ...r, leaseSplit: { fetchMs: med(fetchMs), releaseMs: med(releaseMs) } };
+  return { ...r, leaseSplit: { fetchMs: med(fetchMs), releaseMs: med(releaseMs), confirmMs: med(confirmMs) } };
 }
 
 async function runEngine(l: Lane, prepared: boolean, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
