@@ -60,13 +60,13 @@ export interface FetchResult {
   bytes: number;
   /** Wall time of the fetch loop (every stage, every lane). */
   elapsedMs: number;
-  /** Σ over lanes of the time inside client.fetch + release, divided by the lane count (verification left out). */
+  /** Σ over lanes of the time inside client.fetch + its disposal, divided by the lane count (verification left out). */
   flowMs: number;
   stages: FetchStages;
 }
 
 /** The names of the subject rows (the same in `run` and `fetch`). */
-export const FETCH_WALL = 'leased fetch via client.fetch (lease + range grant + read + verify + release, wall clock)';
+export const FETCH_WALL = 'leased fetch via client.fetch (lease + range grant + read + verify + disposal, wall clock)';
 export const FETCH_FLOW = 'leased fetch via client.fetch (lease + range grant + read, then disposal; verification outside the timed part)';
 
 /** Subject and stage rows from one or more requester runs of the same lane (figures over all of them). */

@@ -43,8 +43,8 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     // Every lane's fetches are broken down into stages, one sample per fetch in each.
     const lanes = sameHost ? ['', ', --transport tcp lane of the same run'] : [''];
     for (const suffix of lanes) {
-      const flow = run.measurements.find((m) => m.name === `leased fetch via client.fetch (lease + range grant + read + release; verification outside the timed part)${suffix}`);
-      const wall = run.measurements.find((m) => m.name === `leased fetch via client.fetch (lease + range grant + read + verify + release, wall clock)${suffix}`);
+      const flow = run.measurements.find((m) => m.name === `leased fetch via client.fetch (lease + range grant + read, then disposal; verification outside the timed part)${suffix}`);
+      const wall = run.measurements.find((m) => m.name === `leased fetch via client.fetch (lease + range grant + read + verify + disposal, wall clock)${suffix}`);
       expect(flow?.gbps, suffix).toBeGreaterThan(0);
       expect(wall?.gbps, suffix).toBeGreaterThan(0);
       const fetches = flow?.latency?.count ?? 0;
@@ -56,7 +56,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     }
     if (sameHost) {
       const goal = run.ratios.filter((r) => r.goal === 5);
-      expect(goal.map((r) => r.name)).toEqual(['same-host fetch/tcp fetch (same run; lease + grant + read + release, verification outside the timed part)']);
+      expect(goal.map((r) => r.name)).toEqual(['same-host fetch/tcp fetch (same run; lease + grant + read + disposal, verification outside the timed part)']);
       expect(run.ratios.some((r) => r.name === 'same-host fetch/tcp fetch (same run; wall clock with verification)')).toBe(true);
       expect(run.notes.some((n) => n.startsWith('stage medians per fetch (ms), same-host: acquire '))).toBe(true);
     }

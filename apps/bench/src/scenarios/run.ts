@@ -94,19 +94,19 @@ export async function runScenario(ctx: ScenarioContext, settings: RunSettings = 
       measurements.push(...fetchMeasurements(tcpRounds, s.blockBytes, suffix).map((m) => ({ ...m, role: 'baseline' as const })));
       const flow = flowGbps(mainRounds) / flowGbps(tcpRounds);
       const wall = wallGbps(mainRounds) / wallGbps(tcpRounds);
-      ratios.push({ name: 'same-host fetch/tcp fetch (same run; lease + grant + read + release, verification outside the timed part)', subject: FETCH_FLOW, baseline: `${FETCH_FLOW}${suffix}`, blockBytes: s.blockBytes, value: flow, goal: 5, pass: flow >= 5 });
+      ratios.push({ name: 'same-host fetch/tcp fetch (same run; lease + grant + read + disposal, verification outside the timed part)', subject: FETCH_FLOW, baseline: `${FETCH_FLOW}${suffix}`, blockBytes: s.blockBytes, value: flow, goal: 5, pass: flow >= 5 });
       ratios.push({ name: 'same-host fetch/tcp fetch (same run; wall clock with verification)', subject: FETCH_WALL, baseline: `${FETCH_WALL}${suffix}`, blockBytes: s.blockBytes, value: wall });
       failures += tcpRounds.reduce((t, r) => t + r.verificationFailures, 0);
       notes.push(`tcp lane (same holder, alternating rounds): ${[tcpRounds[0]?.notes.find((n) => n.startsWith('transport chosen')) ?? '', ...tcpRounds.map((r) => r.notes.find((n) => /fetches of/.test(n)) ?? '')].join('; ')}`);
-      // The ratio from the stage medians: per fetch, a lane costs acquire + read + release (+ verify on the wall clock).
+      // The ratio from the stage medians: per fetch, a lane costs acquire + read + disposal (+ verify on the wall clock).
       const st = (rs: readonly FetchResult[], k: keyof FetchResult['stages']): number => median(rs.flatMap((r) => r.stages[k]));
       const [a1, r1, v1, l1] = [st(mainRounds, 'acquire'), st(mainRounds, 'read'), st(mainRounds, 'verify'), st(mainRounds, 'release')];
       const [a2, r2, v2, l2] = [st(tcpRounds, 'acquire'), st(tcpRounds, 'read'), st(tcpRounds, 'verify'), st(tcpRounds, 'release')];
       const f = (x: number): string => x.toFixed(2);
       notes.push(
-        `stage medians per fetch (ms), same-host: acquire ${f(a1)} + read ${f(r1)} + release ${f(l1)} (+ verify ${f(v1)}); tcp: acquire ${f(a2)} + read ${f(r2)} + release ${f(l2)} (+ verify ${f(v2)}). ` +
-          `From these, the flow ratio is about (${f(a2)} + ${f(r2)} + ${f(l2)}) / (${f(a1)} + ${f(r1)} + ${f(l1)}) = ${f((a2 + r2 + l2) / (a1 + r1 + l1))}; with the lease cost (acquire + release) of the same-host lane at 0 it would be at most ${f((a2 + r2 + l2) / r1)}, and with no lease at all on either lane ${f(r2 / r1)} (the read ratio); ` +
-          `5× needs (tcp acquire + read + release) >= 5 × (same-host acquire + read + release): with these reads and the same lease cost L = acquire + release on both lanes, L <= (tcp read − 5 × same-host read) / 4 = ${f((r2 - 5 * r1) / 4)} ms per fetch (now ${f(a1 + l1)} same-host, ${f(a2 + l2)} tcp)${r2 < 5 * r1 ? ': impossible at any lease cost, the reads alone are under 5×' : ''}`,
+        `stage medians per fetch (ms), same-host: acquire ${f(a1)} + read ${f(r1)} + disposal ${f(l1)} (+ verify ${f(v1)}); tcp: acquire ${f(a2)} + read ${f(r2)} + disposal ${f(l2)} (+ verify ${f(v2)}). ` +
+          `From these, the flow ratio is about (${f(a2)} + ${f(r2)} + ${f(l2)}) / (${f(a1)} + ${f(r1)} + ${f(l1)}) = ${f((a2 + r2 + l2) / (a1 + r1 + l1))}; with the lease cost (acquire + disposal) of the same-host lane at 0 it would be at most ${f((a2 + r2 + l2) / r1)}, and with no lease at all on either lane ${f(r2 / r1)} (the read ratio); ` +
+          `5× needs (tcp acquire + read + disposal) >= 5 × (same-host acquire + read + disposal): with these reads and the same lease cost L = acquire + disposal on both lanes, L <= (tcp read − 5 × same-host read) / 4 = ${f((r2 - 5 * r1) / 4)} ms per fetch (now ${f(a1 + l1)} same-host, ${f(a2 + l2)} tcp)${r2 < 5 * r1 ? ': impossible at any lease cost, the reads alone are under 5×' : ''}`,
       );
     }
     return { scenario: 'run', measurements, ratios, verificationFailures: failures, counters, notes };
