@@ -131,11 +131,21 @@ export function killAllWorkers(): void {
  * In a worker: send a message to the parent, and exit when the parent goes away so a
  * SIGKILLed parent never leaves this process behind.
  */
-export function workerInit(): { send(message: unknown): void; onMessage(listener: (m: Record<string, unknown>) => void): void } {
+export function workerInit(): { send(message: unknown): void; sent(message: unknown): Promise<void>; onMessage(listener: (m: Record<string, unknown>) => void): void } {
   process.on('disconnect', () => process.exit(0));
   return {
     send(message) {
       process.send?.(message as never);
+    },
+    /**
+     * Send and wait until the message is written to the channel: a worker that disconnects (and
+     * so exits) right after a send larger than the pipe's buffer would otherwise lose it.
+     */
+    sent(message) {
+      return new Promise<void>((resolve) => {
+        if (!process.send) resolve();
+        else process.send(message as never, undefined, undefined, () => resolve());
+      });
     },
     onMessage(listener) {
       process.on('message', (m: unknown) => {

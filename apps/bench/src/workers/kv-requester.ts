@@ -426,6 +426,6 @@ try {
   await setup();
   ipc.send({ type: 'ready', lanes: [...lanes.keys()], transports: Object.fromEntries([...lanes].map(([k, l]) => [k, l.transport])), notes });
 } catch (e) {
-  ipc.send({ type: 'error', message: e instanceof Error ? e.message : String(e) });
+  await ipc.sent({ type: 'error', message: e instanceof Error ? e.message : String(e) });
   process.disconnect?.();
 }

@@ -17,8 +17,9 @@ try {
     baselines: baselines !== '0',
     onProgress: (done, total) => ipc.send({ type: 'progress', done, total }),
   });
-  ipc.send({ type: 'result', result });
+  // Its stage samples grow with the fetches: more than a pipe holds at once, so wait for the write.
+  await ipc.sent({ type: 'result', result });
 } catch (e) {
-  ipc.send({ type: 'error', message: e instanceof Error ? e.message : String(e) });
+  await ipc.sent({ type: 'error', message: e instanceof Error ? e.message : String(e) });
 }
 process.disconnect?.();
