@@ -105,6 +105,7 @@ export type KvMethod =
   | 'same-host-leased'
   | 'same-host-leased-unary'
   | 'same-host-leased-ids'
+  | 'same-host-leased-awaited'
   | 'tcp-prepared'
   | 'tcp-read'
   | 'tcp-leased'

@@ -2,8 +2,8 @@
  * One holder's outgoing lease traffic from one client: the release queue and the
  * auto-renew schedule, sent in batches with a bound on calls in flight.
  *
- * - **Releases coalesce.** `release()` puts the lease in a FIFO; the lane sends what is
- *   queued as one `ReleaseMany` per batch (at most `maxBatch` entries), at most
+ * - **Releases coalesce.** `release()` puts the lease in a FIFO; on the next turn of the
+ *   event loop the lane sends what is queued as one `ReleaseMany` per batch (at most `maxBatch` entries), at most
  *   `maxInFlight` calls at a time. A burst of 100,000 releases is ~100 calls, not 100,000.
  * - **Retries go through the same queue.** A failed call does not retry on its own timer:
  *   its entries go to the back of a retry FIFO, the whole lane pauses for a jittered,
@@ -400,8 +400,11 @@ export class HolderLane<R extends RenewEntry> {
   #schedulePump(): void {
     if (this.#pumpQueued) return;
     this.#pumpQueued = true;
-    // A microtask: releases issued in the same turn (a burst) leave as one batch.
-    queueMicrotask(() => {
+    // The next turn of the event loop: releases issued in this turn (a burst) leave as one
+    // batch, and after whatever else this turn sends. A fetch loop disposes a fetch and
+    // acquires the next in one turn: the holder gets that Acquire before the Release and
+    // answers it first, so the release is never on the next fetch's path.
+    setImmediate(() => {
       this.#pumpQueued = false;
       this.#pump();
     });

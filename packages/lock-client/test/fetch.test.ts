@@ -285,6 +285,47 @@ describe('fetch: release never blocks', () => {
   });
 });
 
+describe('fetch: the next Acquire before the last Release', () => {
+  it('a fetch disposed and the next one started in the same turn: the holder grants the next lease before it revokes the last', async () => {
+    const engine = new TransferEngine({ nodeId: 'holder', transports: [new TcpTransport()], logger: silentLogger });
+    const region = new Uint8Array(16 * BLOCK);
+    const registration = await engine.register({ kind: 'host', buffer: region });
+    const grants = engineGrants({ engine, spaces: { arena: { registration, blockBytes: BLOCK } } });
+    const seen: string[] = [];
+    const { resolveLease, revoke, ...rest } = grants.lockServerOptions;
+    const server = new LockServer({
+      holderId: 'holder',
+      lockTimeoutMs: 30_000,
+      ...rest,
+      resolveLease: (lease) => {
+        seen.push(`grant ${lease.sessionId}`);
+        return resolveLease(lease);
+      },
+      revoke: (lease, reason) => {
+        seen.push(`revoke ${lease.sessionId}`);
+        revoke(lease, reason);
+      },
+      logger: silentLogger,
+    });
+    const address = `127.0.0.1:${await server.listen('127.0.0.1:0')}`;
+    const r = await requester();
+    const numbers = Uint32Array.of(1, 2, 3);
+    const dests = [0, 1, 2].map((i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    const first = await r.client.fetch(r.engine, address, { owner: 'arena', numbers }, dests, { timeoutMs: 10_000 });
+    // What a fetch loop does: dispose, then the next fetch, in one turn of the event loop.
+    await first[Symbol.asyncDispose]();
+    const second = await r.client.fetch(r.engine, address, { owner: 'arena', numbers }, dests, { timeoutMs: 10_000 });
+    await first.release();
+    await second.release();
+    const [a, b] = [first.lease.sessionId, second.lease.sessionId];
+    expect(seen).toEqual([`grant ${a}`, `grant ${b}`, `revoke ${a}`, `revoke ${b}`]);
+    await r.close();
+    await server.close({ graceMs: 0 });
+    await grants.settled();
+    await engine.close();
+  });
+});
+
 describe('fetch across processes', () => {
   killChildrenAfterEach();
 

@@ -103,6 +103,7 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
   'same-host-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
   'same-host-leased-ids': (t) => `${t}: client.fetch of the same blocks by id (one string per block)`,
+  'same-host-leased-awaited': (t) => `${t}: client.fetch, then await fetch.release() (the holder's answer inside the timed call)`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
   'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
@@ -174,7 +175,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const methods: KvMethod[] = [];
     for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`, `${l}-leased-unary`);
     // The lease by id beside the lease by number, on the lane with the goal (same host).
-    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids');
+    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids', 'same-host-leased-awaited');
     methods.push('raw', 'memcpy');
     if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
@@ -302,6 +303,19 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
             descriptors: descriptorsOf(c),
             value: saved.value,
             rounds: saved.rounds,
+          });
+        }
+        // What not waiting for the release's answer saves: the same leased fetch with `await fetch.release()` in the timed call.
+        if (lane === 'same-host' && rows.has(`${ci}/same-host-leased-awaited`)) {
+          const queued = paired(ci, 'same-host-leased', 'same-host-leased-awaited');
+          ratios.push({
+            name: `same-host leased, release queued/awaited @ ${label(c)}`,
+            subject: NAMES['same-host-leased'](transportOf('same-host-leased')),
+            baseline: NAMES['same-host-leased-awaited'](transportOf('same-host-leased-awaited')),
+            blockBytes: c.blockBytes,
+            descriptors: descriptorsOf(c),
+            value: queued.value,
+            rounds: queued.rounds,
           });
         }
         // What naming blocks by number saves: the same leased fetch with one block id string per block.

@@ -249,7 +249,7 @@ async function timed(
  * a confirmation for every lease).
  * The blocks by number in the holder's space of `s`-byte blocks, or (`byId`) by id strings.
  */
-async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient, byId = false): Promise<Omit<KvMethodResult, 'method'>> {
+async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient, byId = false, awaitRelease = false): Promise<Omit<KvMethodResult, 'method'>> {
   const ids: string[] = [];
   const numbers = new Uint32Array(offsets.length);
   const destinations: { local: Registration; offset: number; length: number }[] = [];
@@ -268,8 +268,10 @@ async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: num
     const t0 = nowMs();
     const f = await client.fetch(l.engine, cfg.lockAddress, blocks, destinations, { timeoutMs: 10_000 });
     const t1 = nowMs();
-    // What `await using` does: disposal queues the release and returns (release never blocks a fetch).
-    await f[Symbol.asyncDispose]();
+    // What `await using` does: disposal queues the release and returns (release never blocks a
+    // fetch); or (awaitRelease) the holder's answer inside the timed call, the way before.
+    if (awaitRelease) await f.release();
+    else await f[Symbol.asyncDispose]();
     const t2 = nowMs();
     fetchMs.push(t1 - t0);
     releaseMs.push(t2 - t1);
@@ -346,6 +348,8 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
           ? await runLeased(l, offsets, s, fetches, random, unaryClient)
           : method.endsWith('leased-ids')
             ? await runLeased(l, offsets, s, fetches, random, client, true)
+            : method.endsWith('leased-awaited')
+              ? await runLeased(l, offsets, s, fetches, random, client, false, true)
             : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
     }
     out.push({ method, ...r });
