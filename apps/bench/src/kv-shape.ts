@@ -154,8 +154,12 @@ export interface KvMethodResult {
   readonly prepareMs?: number;
   /** Ranges of the prepared transfer after the engine merged adjacent requests. */
   readonly ranges?: number;
-  /** Leased methods: median ms of client.fetch (acquire + grant + read: the bytes are usable) and of the release that follows, per timed fetch. */
-  /** Medians: client.fetch, its disposal (queues the release), and the release's answer after the fetch returned. */
+  /**
+   * Leased methods, medians per timed fetch (ms): client.fetch (acquire + grant + read: the bytes
+   * are usable); what follows it in the timed call (the disposal, which queues the release, or for
+   * `leased-awaited` the release with the holder's answer); and when that answer came, counted
+   * from client.fetch's return.
+   */
   readonly leaseSplit?: { readonly fetchMs: number; readonly releaseMs: number; readonly confirmMs: number };
 }
 

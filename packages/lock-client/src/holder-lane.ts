@@ -3,8 +3,9 @@
  * auto-renew schedule, sent in batches with a bound on calls in flight.
  *
  * - **Releases coalesce.** `release()` puts the lease in a FIFO; on the next turn of the
- *   event loop the lane sends what is queued as one `ReleaseMany` per batch (at most `maxBatch` entries), at most
- *   `maxInFlight` calls at a time. A burst of 100,000 releases is ~100 calls, not 100,000.
+ *   event loop the lane sends what is queued as one `ReleaseMany` per batch (at most
+ *   `maxBatch` entries), at most `maxInFlight` calls at a time. A burst of 100,000 releases
+ *   is ~100 calls, not 100,000.
  * - **Retries go through the same queue.** A failed call does not retry on its own timer:
  *   its entries go to the back of a retry FIFO, the whole lane pauses for a jittered,
  *   doubling delay, and every retry call spends a token from a per-holder budget (a token
