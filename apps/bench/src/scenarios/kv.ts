@@ -218,6 +218,20 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       const rounds = a.map((x, r) => gbps(x.bytes, x.ms) / gbps((b[r] as KvMethodResult).bytes, (b[r] as KvMethodResult).ms));
       return { value: median(rounds), rounds };
     };
+    /** The ratio row of `subject` against `baseline` in shape `ci` (median of per-round ratios); `after` follows the shape in its name. */
+    const ratioRow = (ci: number, c: KvConfig, name: string, subject: KvMethod, baseline: KvMethod, goalValue?: number, after = ''): Ratio => {
+      const { value, rounds } = paired(ci, subject, baseline);
+      return {
+        name: `${name} @ ${label(c)}${after}`,
+        subject: NAMES[subject](transportOf(subject)),
+        baseline: NAMES[baseline](transportOf(baseline)),
+        blockBytes: c.blockBytes,
+        descriptors: descriptorsOf(c),
+        value,
+        rounds,
+        ...(goalValue !== undefined ? { goal: goalValue, pass: value >= goalValue } : {}),
+      };
+    };
     for (const [ci, c] of s.configs.entries()) {
       for (const m of methods) {
         const runs = rows.get(`${ci}/${m}`) ?? [];
@@ -253,83 +267,21 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       ] as const) {
         if (!hello.lanes.includes(lane)) continue;
         for (const variant of ['prepared', 'read'] as const) {
-          const m: KvMethod = `${lane}-${variant}`;
-          const { value, rounds } = paired(ci, m, baseline);
-          const g = goal(kind, c);
-          ratios.push({
-            name: `${lane} ${variant === 'prepared' ? 'prepared' : 'engine.read'}/${baseline} @ ${label(c)}`,
-            subject: NAMES[m](transportOf(m)),
-            baseline: NAMES[baseline](''),
-            blockBytes: c.blockBytes,
-            descriptors: descriptorsOf(c),
-            value,
-            rounds,
-            ...(g !== undefined ? { goal: g, pass: value >= g } : {}),
-          });
+          ratios.push(ratioRow(ci, c, `${lane} ${variant === 'prepared' ? 'prepared' : 'engine.read'}/${baseline}`, `${lane}-${variant}`, baseline, goal(kind, c)));
         }
         if (lane === 'same-host' && gbpsOf.has(`${ci}/memcpy-shm`)) {
-          const { value, rounds } = paired(ci, 'same-host-prepared', 'memcpy-shm');
-          ratios.push({
-            name: `same-host prepared/memcpy-shm @ ${label(c)} (same source memory kind)`,
-            subject: NAMES['same-host-prepared'](transportOf('same-host-prepared')),
-            baseline: NAMES['memcpy-shm'](''),
-            blockBytes: c.blockBytes,
-            descriptors: descriptorsOf(c),
-            value,
-            rounds,
-          });
+          ratios.push(ratioRow(ci, c, 'same-host prepared/memcpy-shm', 'same-host-prepared', 'memcpy-shm', undefined, ' (same source memory kind)'));
         }
         // The lease and grant overhead: the whole leased fetch against the same engine.read alone.
-        const overhead = paired(ci, `${lane}-leased`, `${lane}-read`);
         const lg = lane === 'same-host' && c.blockBytes === 64 * KiB && c.sweep !== 'batch' ? 0.8 : undefined;
-        ratios.push({
-          name: `${lane} leased/engine.read @ ${label(c)} (lease + grant overhead)`,
-          subject: NAMES[`${lane}-leased`](transportOf(`${lane}-leased`)),
-          baseline: NAMES[`${lane}-read`](transportOf(`${lane}-read`)),
-          blockBytes: c.blockBytes,
-          descriptors: descriptorsOf(c),
-          value: overhead.value,
-          rounds: overhead.rounds,
-          ...(lg !== undefined ? { goal: lg, pass: overhead.value >= lg } : {}),
-        });
+        ratios.push(ratioRow(ci, c, `${lane} leased/engine.read`, `${lane}-leased`, `${lane}-read`, lg, ' (lease + grant overhead)'));
         // What the Session stream saves: the same leased fetch with every lease call unary.
-        if (rows.has(`${ci}/${lane}-leased-unary`)) {
-          const saved = paired(ci, `${lane}-leased`, `${lane}-leased-unary`);
-          ratios.push({
-            name: `${lane} leased, Session stream/unary calls @ ${label(c)}`,
-            subject: NAMES[`${lane}-leased`](transportOf(`${lane}-leased`)),
-            baseline: NAMES[`${lane}-leased-unary`](transportOf(`${lane}-leased-unary`)),
-            blockBytes: c.blockBytes,
-            descriptors: descriptorsOf(c),
-            value: saved.value,
-            rounds: saved.rounds,
-          });
-        }
-        // What not waiting for the release's answer saves: the same leased fetch with `await fetch.release()` in the timed call.
-        if (lane === 'same-host' && rows.has(`${ci}/same-host-leased-awaited`)) {
-          const queued = paired(ci, 'same-host-leased', 'same-host-leased-awaited');
-          ratios.push({
-            name: `same-host leased, release queued/awaited @ ${label(c)}`,
-            subject: NAMES['same-host-leased'](transportOf('same-host-leased')),
-            baseline: NAMES['same-host-leased-awaited'](transportOf('same-host-leased-awaited')),
-            blockBytes: c.blockBytes,
-            descriptors: descriptorsOf(c),
-            value: queued.value,
-            rounds: queued.rounds,
-          });
-        }
-        // What naming blocks by number saves: the same leased fetch with one block id string per block.
-        if (lane === 'same-host' && rows.has(`${ci}/same-host-leased-ids`)) {
-          const byId = paired(ci, 'same-host-leased', 'same-host-leased-ids');
-          ratios.push({
-            name: `same-host leased, blocks by number/by id @ ${label(c)}`,
-            subject: NAMES['same-host-leased'](transportOf('same-host-leased')),
-            baseline: NAMES['same-host-leased-ids'](transportOf('same-host-leased-ids')),
-            blockBytes: c.blockBytes,
-            descriptors: descriptorsOf(c),
-            value: byId.value,
-            rounds: byId.rounds,
-          });
+        if (rows.has(`${ci}/${lane}-leased-unary`)) ratios.push(ratioRow(ci, c, `${lane} leased, Session stream/unary calls`, `${lane}-leased`, `${lane}-leased-unary`));
+        if (lane === 'same-host') {
+          // What not waiting for the release's answer saves: the same leased fetch with `await fetch.release()` in the timed call.
+          if (rows.has(`${ci}/same-host-leased-awaited`)) ratios.push(ratioRow(ci, c, 'same-host leased, release queued/awaited', 'same-host-leased', 'same-host-leased-awaited'));
+          // What naming blocks by number saves: the same leased fetch with one block id string per block.
+          if (rows.has(`${ci}/same-host-leased-ids`)) ratios.push(ratioRow(ci, c, 'same-host leased, blocks by number/by id', 'same-host-leased', 'same-host-leased-ids'));
         }
       }
     }
