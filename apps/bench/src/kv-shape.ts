@@ -106,6 +106,7 @@ export type KvMethod =
   | 'same-host-leased-unary'
   | 'same-host-leased-ids'
   | 'same-host-leased-awaited'
+  | 'same-host-leased-alternating'
   | 'tcp-prepared'
   | 'tcp-read'
   | 'tcp-leased'
@@ -161,6 +162,13 @@ export interface KvMethodResult {
    * from client.fetch's return.
    */
   readonly leaseSplit?: { readonly fetchMs: number; readonly releaseMs: number; readonly confirmMs: number };
+  /**
+   * `same-host-leased-alternating`: the sum of the engine.read calls of the same blocks made
+   * right before each timed fetch (timed on their own, outside `ms`): its per-fetch baseline.
+   */
+  readonly pairedReadMs?: number;
+  /** Bytes those reads moved (as their reports say): the timed fetches' bytes, one read per fetch. */
+  readonly pairedReadBytes?: number;
 }
 
 /**

@@ -5,6 +5,8 @@
  */
 import { fork, type ChildProcess } from 'node:child_process';
 import { once } from 'node:events';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { fileURLToPath } from 'node:url';
 import { BenchError } from './types.js';
 
@@ -34,6 +36,22 @@ function hookExit(): void {
   }
 }
 
+/**
+ * The flags that fork worker `name` under V8's CPU profiler, when the environment asks for it:
+ * `TENSORWIRE_BENCH_CPU_PROF=kv-requester,kv-holder` (worker names, comma-separated, or `all`)
+ * writes one `.cpuprofile` per such worker process into `TENSORWIRE_BENCH_CPU_PROF_DIR`
+ * (default `<tmpdir>/tensorwire-bench-prof`), sampled every 100 µs. `--cpu-prof` is refused in
+ * NODE_OPTIONS, so a worker's profile needs its own flags. Figures taken with it are slower.
+ */
+export function profilerArgs(name: string, env: NodeJS.ProcessEnv = process.env): string[] {
+  const want = env['TENSORWIRE_BENCH_CPU_PROF'];
+  if (want === undefined || want === '') return [];
+  const names = want.split(',').map((x) => x.trim());
+  if (!names.includes(name) && !names.includes('all')) return [];
+  const dir = env['TENSORWIRE_BENCH_CPU_PROF_DIR'] || join(tmpdir(), 'tensorwire-bench-prof');
+  return ['--cpu-prof', `--cpu-prof-dir=${dir}`, '--cpu-prof-interval=100'];
+}
+
 /** Absolute path of a compiled worker script in dist/workers. */
 export function workerPath(name: string): string {
   return fileURLToPath(new URL(`./workers/${name}.js`, import.meta.url));
@@ -55,10 +73,12 @@ export interface Worker {
 /** Fork dist/workers/<name>.js with args; tracked for cleanup. */
 export function spawnWorker(name: string, args: readonly string[] = [], env: NodeJS.ProcessEnv = {}): Worker {
   hookExit();
+  const profile = profilerArgs(name);
   const child = fork(workerPath(name), [...args], {
     stdio: ['ignore', 'inherit', 'inherit', 'ipc'],
     env: { ...process.env, ...env },
     serialization: 'advanced',
+    ...(profile.length > 0 ? { execArgv: [...process.execArgv, ...profile] } : {}),
   });
   live.add(child);
   const inbox: Record<string, unknown>[] = [];

@@ -115,6 +115,23 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(goals).toEqual(expect.arrayContaining(['tcp prepared/raw @ 4 KiB × 32', 'tcp prepared/raw @ 64 KiB × 32', 'tcp prepared/raw @ 4 MiB × 1']));
     if (sameHost) expect(goals).toEqual(expect.arrayContaining(['same-host prepared/memcpy @ 4 KiB × 32', 'same-host prepared/memcpy @ 64 KiB × 32', 'same-host prepared/memcpy @ 4 MiB × 1']));
     if (sameHost) expect(kv.notes.some((n) => /^same-host engine \(cuda-ipc, tcp\): transport chosen: cuda-ipc — /.test(n))).toBe(true);
+    if (sameHost) {
+      // Each alternating fetch right after a read of the same blocks, timed apart: its ratio is
+      // the reads' time over the fetches' time, per round (neither may be missing or zero).
+      const alt = kv.ratios.find((r) => r.name === 'same-host leased/engine.read, alternating per fetch @ 64 KiB × 32 (each fetch right after a read)');
+      expect(alt?.subject).toBe('cuda-ipc: client.fetch (disposed), each right after an engine.read of the same blocks (alternating)');
+      expect(alt?.baseline).toBe('cuda-ipc: engine.read');
+      expect(alt?.value).toBeGreaterThan(0);
+      expect(Number.isFinite(alt?.value)).toBe(true);
+      // One real read of the same bytes before every timed fetch.
+      const altRows = kv.measurements.filter((m) => m.name === alt?.subject);
+      expect(altRows.length).toBeGreaterThan(0);
+      for (const m of altRows) {
+        expect(m.transport).toBe('cuda-ipc');
+        expect(m.totalBytes).toBeGreaterThan(0);
+        expect(m.extra?.['pairedReadBytes']).toBe(m.totalBytes);
+      }
+    }
   });
 
   it('kv --compare: our transports measured the way ucx_perftest measures (one block re-read, window 1), beside the UCX rows and the scattered ratios', async () => {

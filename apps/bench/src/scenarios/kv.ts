@@ -104,6 +104,7 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
   'same-host-leased-ids': (t) => `${t}: client.fetch of the same blocks by id (one string per block)`,
   'same-host-leased-awaited': (t) => `${t}: client.fetch, then await fetch.release() (the holder's answer inside the timed call)`,
+  'same-host-leased-alternating': (t) => `${t}: client.fetch (disposed), each right after an engine.read of the same blocks (alternating)`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
   'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
@@ -175,7 +176,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const methods: KvMethod[] = [];
     for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`, `${l}-leased-unary`);
     // The lease by id beside the lease by number, on the lane with the goal (same host).
-    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids', 'same-host-leased-awaited');
+    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids', 'same-host-leased-awaited', 'same-host-leased-alternating');
     methods.push('raw', 'memcpy');
     if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
@@ -247,6 +248,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         const prepare = runs.filter((x) => x.prepareMs !== undefined).map((x) => x.prepareMs as number);
         const ranges = runs.find((x) => x.ranges !== undefined)?.ranges;
         const splits = runs.flatMap((x) => (x.leaseSplit ? [x.leaseSplit] : []));
+        const withReads = runs.filter((x) => x.pairedReadBytes !== undefined);
         measurements.push({
           name: NAMES[m](transportOf(m)),
           role: m === 'raw' || m === 'memcpy' || m === 'memcpy-shm' ? 'baseline' : 'subject',
@@ -258,7 +260,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           descriptorsPerSec: median(runs.map((x) => x.descriptors / (x.ms / 1000))),
           ...(m !== 'raw' && m !== 'memcpy' && m !== 'memcpy-shm' ? { transport } : {}),
           latency: summarize(runs.flatMap((x) => x.latencies)),
-          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}), ...(splits.length > 0 ? { clientFetchMedianMs: median(splits.map((x) => x.fetchMs)), releaseMedianMs: median(splits.map((x) => x.releaseMs)), releaseConfirmedMedianMs: median(splits.map((x) => x.confirmMs)) } : {}) },
+          extra: { layers: c.layers, blocks: c.blocks, sweep: c.sweep, rounds: runs.length, fetchesPerRound: runs[0]?.fetches ?? 0, firstCallMs: runs[0]?.firstMs ?? 0, warmupCalls: median(runs.map((x) => x.warmupCalls)), ...(prepare.length > 0 ? { prepareMedianMs: median(prepare) } : {}), ...(ranges !== undefined ? { rangesAfterMerge: ranges } : {}), ...(splits.length > 0 ? { clientFetchMedianMs: median(splits.map((x) => x.fetchMs)), releaseMedianMs: median(splits.map((x) => x.releaseMs)), releaseConfirmedMedianMs: median(splits.map((x) => x.confirmMs)) } : {}), ...(withReads.length > 0 ? { pairedReadBytes: withReads.reduce((t, x) => t + (x.pairedReadBytes as number), 0) } : {}) },
         });
       }
       for (const [lane, baseline, kind] of [
@@ -282,6 +284,21 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           if (rows.has(`${ci}/same-host-leased-awaited`)) ratios.push(ratioRow(ci, c, 'same-host leased, release queued/awaited', 'same-host-leased', 'same-host-leased-awaited'));
           // What naming blocks by number saves: the same leased fetch with one block id string per block.
           if (rows.has(`${ci}/same-host-leased-ids`)) ratios.push(ratioRow(ci, c, 'same-host leased, blocks by number/by id', 'same-host-leased', 'same-host-leased-ids'));
+          // The lease overhead when each fetch follows other work (an engine.read of the same
+          // blocks, timed on its own as this fetch's baseline) instead of the previous fetch.
+          const alt = rows.get(`${ci}/same-host-leased-alternating`) ?? [];
+          if (alt.length > 0 && alt.every((x) => x.pairedReadMs !== undefined)) {
+            const rounds = alt.map((x) => (x.pairedReadMs as number) / x.ms);
+            ratios.push({
+              name: `same-host leased/engine.read, alternating per fetch @ ${label(c)} (each fetch right after a read)`,
+              subject: NAMES['same-host-leased-alternating'](transportOf('same-host-leased-alternating')),
+              baseline: NAMES['same-host-read'](transportOf('same-host-read')),
+              blockBytes: c.blockBytes,
+              descriptors: descriptorsOf(c),
+              value: median(rounds),
+              rounds,
+            });
+          }
         }
       }
     }

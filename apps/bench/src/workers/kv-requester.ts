@@ -198,23 +198,28 @@ async function timed(
   random: () => number,
   once: () => Promise<{ transport: string } | void> | void,
   reference: Buffer = expected,
-): Promise<Omit<KvMethodResult, 'method'>> {
+  before?: () => Promise<number>,
+): Promise<Omit<KvMethodResult, 'method'> & { beforeMs?: number; beforeBytes?: number }> {
   const count = offsets.length;
   dest.fill(0, 0, count * s);
   // Warm-up, untimed: one fetch, or (warmupMs > 0) at least WARMUP_CALLS and more until they
   // took warmupMs. A long-running server fetches all day; a handful of calls measures V8's
   // interpreter on the lease path (client.fetch of 1,024 × 64 KiB blocks: the first call took
   // about 340 ms, the next ten 14 to 27 ms each, the ones after 50 about 6.6 ms).
+  await before?.();
   let w0 = nowMs();
   await once();
   const firstMs = nowMs() - w0;
   let warm = firstMs;
   let warmupCalls = 1;
   for (; warmupMs > 0 && (warm < warmupMs || warmupCalls < WARMUP_CALLS) && warmupCalls < MAX_FETCHES; warmupCalls++) {
+    await before?.();
     w0 = nowMs();
     await once();
     warm += nowMs() - w0;
   }
+  let beforeMs = 0;
+  let beforeBytes = 0;
   const latencies: number[] = [];
   const sample = new Int32Array(Math.min(SAMPLES, count));
   let ms = 0;
@@ -231,6 +236,19 @@ async function timed(
       dest[i * s] = (reference[ro] as number) ^ 0xff;
       dest[(i + 1) * s - 1] = (reference[ro + s - 1] as number) ^ 0xff;
     }
+    if (before) {
+      // The per-call baseline (alternating methods), timed on its own; the poisoned bytes above
+      // are rewritten by it, so they are poisoned again for the timed call.
+      const b0 = nowMs();
+      beforeBytes += await before();
+      beforeMs += nowMs() - b0;
+      for (let j = 0; j < sample.length; j++) {
+        const i = sample[j] as number;
+        const ro = offsets[i] as number;
+        dest[i * s] = (reference[ro] as number) ^ 0xff;
+        dest[(i + 1) * s - 1] = (reference[ro + s - 1] as number) ^ 0xff;
+      }
+    }
     const t0 = nowMs();
     const r = await once();
     const dt = nowMs() - t0;
@@ -240,7 +258,7 @@ async function timed(
     for (let j = 0; j < sample.length; j++) if (!sameBytes(sample[j] as number, offsets, s, reference)) failures++;
   }
   for (let i = 0; i < count; i++) if (!sameBytes(i, offsets, s, reference)) failures++;
-  return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, firstMs, warmupCalls, ...(transport !== undefined ? { transport } : {}) };
+  return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, firstMs, warmupCalls, ...(before ? { beforeMs, beforeBytes } : {}), ...(transport !== undefined ? { transport } : {}) };
 }
 
 /**
@@ -249,7 +267,17 @@ async function timed(
  * a confirmation for every lease).
  * The blocks by number in the holder's space of `s`-byte blocks, or (`byId`) by id strings.
  */
-async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient, byId = false, awaitRelease = false): Promise<Omit<KvMethodResult, 'method'>> {
+async function runLeased(
+  l: Lane,
+  offsets: Float64Array,
+  s: number,
+  fetches: number,
+  random: () => number,
+  client: LockClient,
+  byId = false,
+  awaitRelease = false,
+  alternate = false,
+): Promise<Omit<KvMethodResult, 'method'>> {
   const ids: string[] = [];
   const numbers = new Uint32Array(offsets.length);
   const destinations: { local: Registration; offset: number; length: number }[] = [];
@@ -264,6 +292,12 @@ async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: num
   const confirmMs: number[] = [];
   const releases: Promise<void>[] = [];
   const unconfirmed: string[] = [];
+  // Alternating: an engine.read of the same blocks (through the holder's registration
+  // descriptor) right before every fetch, so each fetch starts the way one in a busy process
+  // does: after other work, with its code and data out of the caches.
+  const reads: TransferRequest[] = [];
+  if (alternate) for (let i = 0; i < offsets.length; i++) reads.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
+  const before = alternate ? async (): Promise<number> => (await l.engine.read(endpoint, reads)).bytes : undefined;
   const r = await timed(offsets, s, fetches, random, async () => {
     const t0 = nowMs();
     const f = await client.fetch(l.engine, cfg.lockAddress, blocks, destinations, { timeoutMs: 10_000 });
@@ -283,13 +317,14 @@ async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: num
       }),
     );
     return { transport: f.transport };
-  });
+  }, expected, before);
   await Promise.all(releases);
   // Every lease of the method was released and the holder said so: none left to its expiry GC.
   if (unconfirmed.length > 0) throw new Error(`${unconfirmed.length} of ${releases.length} releases were not confirmed: ${unconfirmed.slice(0, 3).join('; ')}`);
   // The timed fetches are the last ones (the warm-up came first).
   const med = (x: number[]): number => x.slice(-r.fetches).sort((a, b) => a - b)[Math.floor(Math.min(x.length, r.fetches) / 2)] as number;
-  return { ...r, leaseSplit: { fetchMs: med(fetchMs), releaseMs: med(releaseMs), confirmMs: med(confirmMs) } };
+  const { beforeMs = 0, beforeBytes = 0, ...rest } = r;
+  return { ...rest, leaseSplit: { fetchMs: med(fetchMs), releaseMs: med(releaseMs), confirmMs: med(confirmMs) }, ...(alternate ? { pairedReadMs: beforeMs, pairedReadBytes: beforeBytes } : {}) };
 }
 
 async function runEngine(l: Lane, prepared: boolean, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
@@ -350,7 +385,9 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
             ? await runLeased(l, offsets, s, fetches, random, client, true)
             : method.endsWith('leased-awaited')
               ? await runLeased(l, offsets, s, fetches, random, client, false, true)
-            : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+              : method.endsWith('leased-alternating')
+                ? await runLeased(l, offsets, s, fetches, random, client, false, false, true)
+                : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
     }
     out.push({ method, ...r });
   }
