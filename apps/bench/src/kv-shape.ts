@@ -107,6 +107,7 @@ export type KvMethod =
   | 'same-host-leased-ids'
   | 'same-host-leased-awaited'
   | 'same-host-leased-alternating'
+  | 'same-host-leased-pipelined'
   | 'tcp-prepared'
   | 'tcp-read'
   | 'tcp-leased'

@@ -123,6 +123,10 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
       expect(alt?.baseline).toBe('cuda-ipc: engine.read');
       expect(alt?.value).toBeGreaterThan(0);
       expect(Number.isFinite(alt?.value)).toBe(true);
+      const piped = kv.ratios.find((r) => r.name === 'same-host leased pipelined/engine.read @ 64 KiB × 32 (next acquire during each read)');
+      expect(piped?.subject).toBe("cuda-ipc: client.fetchLease of a lease acquired during the previous fetch's read (pipelined), disposed");
+      expect(piped?.value).toBeGreaterThan(0);
+      expect(kv.measurements.some((m) => m.name === piped?.subject && m.transport === 'cuda-ipc' && (m.totalBytes ?? 0) > 0)).toBe(true);
       // One real read of the same bytes before every timed fetch.
       const altRows = kv.measurements.filter((m) => m.name === alt?.subject);
       expect(altRows.length).toBeGreaterThan(0);

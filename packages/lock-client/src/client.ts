@@ -34,7 +34,7 @@ import {
   type TensorwireError,
   type TransferEngine,
 } from '@tensorwire/core';
-import { fetchBlocks, type FetchDestination, type FetchGuard, type FetchOptions } from './fetch.js';
+import { fetchBlocks, fetchLeased, type FetchDestination, type FetchGuard, type FetchLeaseOptions, type FetchOptions } from './fetch.js';
 import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
 import { HolderLane, type LaneHooks, type LaneStats, type LaneTransport, type ReleaseResult, type RetryBudget } from './holder-lane.js';
@@ -706,6 +706,45 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   }
 
   /**
+   * Read the blocks of a lease this client acquired into `destinations` through `engine`, as
+   * {@link fetch} does after its acquire (block i into `destinations[i]`, one batch, lengths
+   * checked), and return a guard that owns the lease from here on: disposing it, or any
+   * failure here (bad destinations included), releases the lease exactly once.
+   *
+   * For pipelined fetches: acquire the next fetch's blocks before reading this one's, so the
+   * holder grants the next lease while this one copies, and the next fetch starts with its
+   * lease in hand (`batches`, `destinations`: yours):
+   *
+   * ```ts
+   * let next = client.acquire(holder, batches[0]);
+   * for (let i = 0; i < batches.length; i++) {
+   *   const lease = await next;
+   *   if (i + 1 < batches.length) {
+   *     next = client.acquire(holder, batches[i + 1]);
+   *     next.catch(() => {}); // awaited next time round; not an unhandled rejection meanwhile
+   *   }
+   *   await using fetch = await client.fetchLease(engine, lease, destinations[i]);
+   * }
+   * ```
+   *
+   * (Stopping early: release the lease still in `next`.) A lease of another client or one
+   * released already is refused (InvalidInputError) and left as it is. While an acquire of this
+   * client is in flight, the read waits for one turn of the event loop first: HTTP/2 sends
+   * queued frames on the next turn, and a same-host read copies on this thread, so without it
+   * the next acquire would leave only after the copy.
+   */
+  fetchLease(engine: TransferEngine, lease: LockGuard, destinations: readonly FetchDestination[], options: FetchLeaseOptions = {}): Promise<FetchGuard> {
+    if (!(lease instanceof LockGuard) || lease.client !== this) {
+      return Promise.reject(new InvalidInputError('fetchLease needs a lease acquired by this client', { details: { field: 'lease' } }));
+    }
+    if (lease.released) return Promise.reject(new InvalidInputError(`lease ${lease.sessionId} was released`, { details: { field: 'lease' } }));
+    return fetchLeased(engine, lease, destinations, options, this.#acquiring > 0);
+  }
+
+  /** Acquires of this client in flight (fetchLease lets their requests out before it reads). */
+  #acquiring = 0;
+
+  /**
    * Pin `blocks` on `holder` (`host:port`) under a lease: block ids, or blocks of one of the
    * holder's numbered spaces by number (`{ owner, numbers: Uint32Array }`: block n is
    * `block:<owner>:<n>`; the owner once and the numbers packed on the wire, no string per block
@@ -716,6 +755,15 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
    * reached the holder, the possible grant is released at once.
    */
   async acquire(holder: string, blocks: readonly string[] | NumberedBlocks, options: AcquireOptions = {}): Promise<LockGuard> {
+    this.#acquiring++;
+    try {
+      return await this.#acquire(holder, blocks, options);
+    } finally {
+      this.#acquiring--;
+    }
+  }
+
+  async #acquire(holder: string, blocks: readonly string[] | NumberedBlocks, options: AcquireOptions): Promise<LockGuard> {
     if (this.#isClosing) throw new ClosedError('lock client is closed');
     if (typeof holder !== 'string' || holder.length === 0) throw new InvalidInputError('holder address is empty', { details: { field: 'holder' } });
     const numbered = checkBlocks(blocks);

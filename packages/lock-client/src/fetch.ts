@@ -76,17 +76,20 @@ type MutableRequest = { local: Registration; localOffset: number; remote: Memory
 /** Per destinations array: its request list, and whether a read is using it now. */
 const requestLists = new WeakMap<readonly FetchDestination[], { readonly requests: MutableRequest[]; busy: boolean }>();
 
-/** @internal The body of {@link LockClient.fetch}, given its acquire. */
-export async function fetchBlocks(
-  acquire: (holder: string, blocks: readonly string[] | NumberedBlocks, options: AcquireOptions) => Promise<LockGuard>,
-  engine: TransferEngine,
-  holder: string,
-  blocks: readonly string[] | NumberedBlocks,
-  destinations: readonly FetchDestination[],
-  options: FetchOptions,
-): Promise<FetchGuard> {
-  // The blocks themselves are checked by the acquire; here only their count.
-  const count = Array.isArray(blocks) ? blocks.length : (blocks as Partial<NumberedBlocks> | null)?.numbers instanceof Uint32Array ? (blocks as NumberedBlocks).numbers.length : 0;
+/** Options of {@link LockClient.fetchLease}: the deadline and signal of the read (the lease's own bound it too). */
+export interface FetchLeaseOptions {
+  /** Absolute deadline (Date.now() ms) for the read; the lease's transfer deadline also bounds it. */
+  readonly deadline?: number;
+  readonly signal?: AbortSignal;
+}
+
+/** The block count of `blocks` as an acquire takes them (the blocks themselves are the acquire's to check). */
+function blockCount(blocks: readonly string[] | NumberedBlocks): number {
+  return Array.isArray(blocks) ? blocks.length : (blocks as Partial<NumberedBlocks> | null)?.numbers instanceof Uint32Array ? (blocks as NumberedBlocks).numbers.length : 0;
+}
+
+/** One destination per block, each with a registration: InvalidInputError otherwise. */
+function checkDestinations(destinations: readonly FetchDestination[], count: number): void {
   if (!Array.isArray(destinations) || destinations.length !== count) {
     throw new InvalidInputError(`fetch needs one destination per block (${count} blocks, ${Array.isArray(destinations) ? destinations.length : 0} destinations)`, {
       details: { field: 'destinations' },
@@ -96,9 +99,46 @@ export async function fetchBlocks(
     const d = destinations[i];
     if (!(d?.local instanceof Registration)) throw new InvalidInputError(`destinations[${i}].local must be a Registration of the engine`, { details: { field: 'destinations', request: i } });
   }
+}
+
+/** @internal The body of {@link LockClient.fetch}, given its acquire. */
+export async function fetchBlocks(
+  acquire: (holder: string, blocks: readonly string[] | NumberedBlocks, options: AcquireOptions) => Promise<LockGuard>,
+  engine: TransferEngine,
+  holder: string,
+  blocks: readonly string[] | NumberedBlocks,
+  destinations: readonly FetchDestination[],
+  options: FetchOptions,
+): Promise<FetchGuard> {
+  checkDestinations(destinations, blockCount(blocks));
   const { deadline, ...acquireOptions } = options;
   const timeoutMs = deadline === undefined ? options.timeoutMs : Math.max(1, Math.min(options.timeoutMs ?? Number.POSITIVE_INFINITY, deadline - Date.now()));
   const lease = await acquire(holder, blocks, timeoutMs === undefined ? acquireOptions : { ...acquireOptions, timeoutMs });
+  return readLease(engine, lease, destinations, options);
+}
+
+/**
+ * @internal The body of {@link LockClient.fetchLease}: `lease` (held, this client's) is
+ * checked against `destinations`; from here on every failure releases it before rethrowing,
+ * and the guard returned owns it. `yieldFirst`: give the event loop one turn before the read
+ * (writes of this client still queued in HTTP/2, such as the acquire of a pipelined next
+ * fetch, go out before a same-host read holds the thread).
+ */
+export async function fetchLeased(engine: TransferEngine, lease: LockGuard, destinations: readonly FetchDestination[], options: FetchLeaseOptions, yieldFirst: boolean): Promise<FetchGuard> {
+  try {
+    checkDestinations(destinations, lease.blockCount);
+    if (yieldFirst) await new Promise<void>((resolve) => setImmediate(resolve));
+  } catch (e) {
+    await lease.release();
+    throw e;
+  }
+  return readLease(engine, lease, destinations, options);
+}
+
+/** Read the blocks of `lease` into `destinations` (checked already); releases the lease on any failure. */
+async function readLease(engine: TransferEngine, lease: LockGuard, destinations: readonly FetchDestination[], options: FetchLeaseOptions): Promise<FetchGuard> {
+  const count = lease.blockCount;
+  const deadline = options.deadline;
   try {
     const leaseDescriptors = lease.leaseDescriptors;
     if (leaseDescriptors.length !== 1) {

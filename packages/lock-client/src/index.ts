@@ -8,7 +8,7 @@ export { LockClient, LockGuard } from './client.js';
 export { FetchGuard } from './fetch.js';
 export { numberedBlockIds } from './ids.js';
 export type { NumberedBlocks } from './ids.js';
-export type { FetchDestination, FetchOptions } from './fetch.js';
+export type { FetchDestination, FetchLeaseOptions, FetchOptions } from './fetch.js';
 export { decodeFetchDescriptor, encodeFetchDescriptor } from './fetch-descriptor.js';
 export type { FetchDescriptor } from './fetch-descriptor.js';
 export type {

@@ -241,6 +241,99 @@ async function relay(target: string): Promise<{ address: string; hold(on: boolea
 
 const sleep = (ms: number): Promise<'waited'> => new Promise((r) => setTimeout(() => r('waited'), ms));
 
+describe('fetchLease: read a lease already held (pipelined fetches)', () => {
+  it('a pipeline of fetches: each lease acquired during the previous read, read by fetchLease; bytes verified, every lease released and its grant revoked exactly once', async () => {
+    const h = await holder(64);
+    const r = await requester();
+    const batches = [0, 1, 2, 3, 4].map((k) => Uint32Array.from({ length: 16 }, (_, i) => (k * 16 + i * 3) % 64));
+    const destinations = Array.from({ length: 16 }, (_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    let next = r.client.acquire(h.address, { owner: 'arena', numbers: batches[0]! }, { timeoutMs: 10_000 });
+    for (let k = 0; k < batches.length; k++) {
+      const lease = await next;
+      if (k + 1 < batches.length) {
+        next = r.client.acquire(h.address, { owner: 'arena', numbers: batches[k + 1]! }, { timeoutMs: 10_000 });
+        next.catch(() => undefined);
+      }
+      r.dst.fill(0);
+      const fetch = await r.client.fetchLease(r.engine, lease, destinations);
+      expect(fetch.lease).toBe(lease);
+      expect(fetch.report.bytes).toBe(16 * BLOCK);
+      // Numbered block n lives at slot n of the region.
+      for (let i = 0; i < 16; i++) {
+        const n = batches[k]![i]!;
+        expect(Buffer.compare(r.dst.subarray(i * BLOCK, (i + 1) * BLOCK), h.region.subarray(n * BLOCK, (n + 1) * BLOCK))).toBe(0);
+      }
+      await fetch[Symbol.asyncDispose]();
+      expect((await fetch.release()).confirmed).toBe(true);
+    }
+    await waitFor(() => h.server.counters().active === 0, 'leases released');
+    await h.grants.settled();
+    expect(h.server.counters()).toMatchObject({ acquired: 5, released: 5, active: 0 });
+    expect(h.grants.counters()).toMatchObject({ issued: 5, revoked: 5, live: 0 });
+    expect(r.client.counters()).toMatchObject({ acquired: 5, released: 5, active: 0 });
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it('lets an acquire in flight out before it reads (one turn of the event loop), and adds no turn when none is in flight', async () => {
+    const h = await holder(8);
+    const r = await requester();
+    const destinations = [{ local: r.local, length: BLOCK }];
+    const read = r.engine.read.bind(r.engine);
+    let turned = false;
+    const seen: boolean[] = [];
+    r.engine.read = (...a: Parameters<TransferEngine['read']>) => {
+      seen.push(turned);
+      return read(...a);
+    };
+    // No acquire in flight: the read starts in the same turn.
+    const first = await r.client.acquire(h.address, ['block:kv:0'], { timeoutMs: 10_000 });
+    turned = false;
+    setImmediate(() => (turned = true));
+    const f1 = await r.client.fetchLease(r.engine, first, destinations);
+    // The next lease's acquire in flight: the read waits one turn, so its request leaves first.
+    const second = await r.client.acquire(h.address, ['block:kv:1'], { timeoutMs: 10_000 });
+    const third = r.client.acquire(h.address, ['block:kv:2'], { timeoutMs: 10_000 });
+    turned = false;
+    setImmediate(() => (turned = true));
+    const f2 = await r.client.fetchLease(r.engine, second, destinations);
+    expect(seen).toEqual([false, true]);
+    for (const g of [f1, f2, await third]) await g.release();
+    await waitFor(() => h.server.counters().active === 0, 'leases released');
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it("refuses another client's lease and a released one, leaving them as they are; bad destinations release the lease (it is the fetch's from then on)", async () => {
+    const h = await holder(8);
+    const r = await requester();
+    const other = await requester('other');
+    const destinations = [{ local: r.local, length: BLOCK }];
+    const foreign = await other.client.acquire(h.address, ['block:kv:0'], { timeoutMs: 10_000 });
+    await expect(r.client.fetchLease(r.engine, foreign, destinations)).rejects.toBeInstanceOf(InvalidInputError);
+    expect(foreign.released).toBe(false);
+    expect(h.server.counters().active).toBe(1);
+    await expect(r.client.fetchLease(r.engine, {} as never, destinations)).rejects.toBeInstanceOf(InvalidInputError);
+    const mine = await r.client.acquire(h.address, ['block:kv:1'], { timeoutMs: 10_000 });
+    await mine.release();
+    await expect(r.client.fetchLease(r.engine, mine, destinations)).rejects.toThrow(/was released/);
+    // Two blocks, one destination: refused, and the lease released before the error came back.
+    const two = await r.client.acquire(h.address, ids(2), { timeoutMs: 10_000 });
+    await expect(r.client.fetchLease(r.engine, two, destinations)).rejects.toBeInstanceOf(InvalidInputError);
+    expect(two.released).toBe(true);
+    expect(h.server.counters()).toMatchObject({ acquired: 3, released: 2, active: 1 });
+    await foreign.release();
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 3, revoked: 3, live: 0 });
+    balanced(h);
+    await other.close();
+    await r.close();
+    await h.close();
+  });
+});
+
 describe('fetch: release never blocks', () => {
   it("disposal queues the release and returns while the holder's answer is held back; the release reaches the holder once and is confirmed later; close() waits for it", async () => {
     const h = await holder(16);

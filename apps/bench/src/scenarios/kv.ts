@@ -105,6 +105,7 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-leased-ids': (t) => `${t}: client.fetch of the same blocks by id (one string per block)`,
   'same-host-leased-awaited': (t) => `${t}: client.fetch, then await fetch.release() (the holder's answer inside the timed call)`,
   'same-host-leased-alternating': (t) => `${t}: client.fetch (disposed), each right after an engine.read of the same blocks (alternating)`,
+  'same-host-leased-pipelined': (t) => `${t}: client.fetchLease of a lease acquired during the previous fetch's read (pipelined), disposed`,
   'tcp-prepared': (t) => `${t}: engine.prepare + run()`,
   'tcp-read': (t) => `${t}: engine.read`,
   'tcp-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
@@ -176,7 +177,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const methods: KvMethod[] = [];
     for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`, `${l}-leased-unary`);
     // The lease by id beside the lease by number, on the lane with the goal (same host).
-    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids', 'same-host-leased-awaited', 'same-host-leased-alternating');
+    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids', 'same-host-leased-awaited', 'same-host-leased-alternating', 'same-host-leased-pipelined');
     methods.push('raw', 'memcpy');
     if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
@@ -284,6 +285,8 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           if (rows.has(`${ci}/same-host-leased-awaited`)) ratios.push(ratioRow(ci, c, 'same-host leased, release queued/awaited', 'same-host-leased', 'same-host-leased-awaited'));
           // What naming blocks by number saves: the same leased fetch with one block id string per block.
           if (rows.has(`${ci}/same-host-leased-ids`)) ratios.push(ratioRow(ci, c, 'same-host leased, blocks by number/by id', 'same-host-leased', 'same-host-leased-ids'));
+          // Leased fetches in a pipeline: each lease acquired while the previous fetch read.
+          if (rows.has(`${ci}/same-host-leased-pipelined`)) ratios.push(ratioRow(ci, c, 'same-host leased pipelined/engine.read', 'same-host-leased-pipelined', 'same-host-read', undefined, ' (next acquire during each read)'));
           // The lease overhead when each fetch follows other work (an engine.read of the same
           // blocks, timed on its own as this fetch's baseline) instead of the previous fetch.
           const alt = rows.get(`${ci}/same-host-leased-alternating`) ?? [];

@@ -29,7 +29,7 @@ import net from 'node:net';
 import { TcpTransport, TransferEngine, silentLogger, type PreparedTransfer, type Registration, type TransferRequest } from '@tensorwire/core';
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
-import { LockClient } from '@tensorwire/lock-client';
+import { LockClient, type LockGuard } from '@tensorwire/lock-client';
 import { bytesOf, kvBlockId, kvSpace, rng, scatter, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
 import { nowMs } from '../stats.js';
@@ -327,6 +327,49 @@ async function runLeased(
   return { ...rest, leaseSplit: { fetchMs: med(fetchMs), releaseMs: med(releaseMs), confirmMs: med(confirmMs) }, ...(alternate ? { pairedReadMs: beforeMs, pairedReadBytes: beforeBytes } : {}) };
 }
 
+/**
+ * Pipelined: the same leased fetches, each one's lease acquired during the previous fetch's
+ * read (`client.acquire` of the next fetch's blocks, then `client.fetchLease` of this one's
+ * lease), so the holder grants the next lease while this one copies. The first (untimed) call
+ * acquires its own lease; the lease acquired for a fetch that never comes is released at the
+ * end. Every release's answer is awaited after the loop and must confirm it.
+ */
+async function runPipelined(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
+  const numbers = new Uint32Array(offsets.length);
+  const destinations: { local: Registration; offset: number; length: number }[] = [];
+  for (let i = 0; i < offsets.length; i++) {
+    numbers[i] = (offsets[i] as number) / s;
+    destinations.push({ local: l.reg, offset: i * s, length: s });
+  }
+  const blocks = { owner: kvSpace(s), numbers };
+  const acquire = (): Promise<LockGuard> => client.acquire(cfg.lockAddress, blocks, { timeoutMs: 10_000 });
+  let next: Promise<LockGuard> | undefined;
+  const releases: Promise<boolean>[] = [];
+  let result: Omit<KvMethodResult, 'method'> | undefined;
+  let failure: unknown;
+  try {
+    result = await timed(offsets, s, fetches, random, async () => {
+      const lease = await (next ?? acquire());
+      next = acquire();
+      next.catch(() => undefined); // awaited by the next fetch; a failure is not unhandled meanwhile
+      const f = await client.fetchLease(l.engine, lease, destinations);
+      await f[Symbol.asyncDispose]();
+      releases.push(f.release().then((res) => res.confirmed));
+      return { transport: f.transport };
+    });
+  } catch (e) {
+    failure = e;
+  }
+  // The lease acquired for a fetch that never came, then every release's answer.
+  const last = await next?.catch(() => undefined);
+  if (last) releases.push(last.release().then((res) => res.confirmed));
+  const confirmed = await Promise.all(releases);
+  if (failure !== undefined || result === undefined) throw failure;
+  const missing = confirmed.filter((c) => !c).length;
+  if (missing > 0) throw new Error(`${missing} of ${confirmed.length} pipelined releases were not confirmed`);
+  return result;
+}
+
 async function runEngine(l: Lane, prepared: boolean, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
   const requests: TransferRequest[] = [];
   for (let i = 0; i < offsets.length; i++) requests.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
@@ -387,7 +430,9 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
               ? await runLeased(l, offsets, s, fetches, random, client, false, true)
               : method.endsWith('leased-alternating')
                 ? await runLeased(l, offsets, s, fetches, random, client, false, false, true)
-                : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+                : method.endsWith('leased-pipelined')
+                  ? await runPipelined(l, offsets, s, fetches, random)
+                  : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
     }
     out.push({ method, ...r });
   }
