@@ -81,7 +81,7 @@ export function fetchMeasurements(parts: readonly FetchResult[], blockBytes: num
   return [
     { name: `${FETCH_FLOW}${suffix}`, role: 'subject', transport, blockBytes, totalBytes: bytes, gbps: gbps(bytes, flow), opsPerSec: fetches / (flow / 1000), latency: summarize(all('fetch')), extra: { rounds: parts.length } },
     { name: `${FETCH_WALL}${suffix}`, role: 'subject', transport, blockBytes, totalBytes: bytes, gbps: gbps(bytes, elapsed), opsPerSec: fetches / (elapsed / 1000), extra: { rounds: parts.length } },
-    stage('acquire', 'client.fetch minus its engine.read (gRPC acquire, pin + engine.grant on the holder, lease decode)'),
+    stage('acquire', 'client.fetch minus its engine.read (gRPC acquire, pin + engine.grant on the holder, lease decode; with more than one lane also the time the other lanes hold the one JS thread)'),
     stage('read', 'the engine.read inside client.fetch'),
     stage('verify', 'Buffer.compare of every block, poison first/last byte of each'),
     stage('release', 'disposal of the fetch guard (queues the release; its answer is awaited after the loop)'),

@@ -76,7 +76,7 @@ type MutableRequest = { local: Registration; localOffset: number; remote: Memory
 /** Per destinations array: its request list, and whether a read is using it now. */
 const requestLists = new WeakMap<readonly FetchDestination[], { readonly requests: MutableRequest[]; busy: boolean }>();
 
-/** Options of {@link LockClient.fetchLease}: the deadline and signal of the read (the lease's own bound it too). */
+/** Options of {@link LockClient.fetchLease}: the deadline and signal of the read (the lease's transfer deadline and signal bound it too). */
 export interface FetchLeaseOptions {
   /** Absolute deadline (Date.now() ms) for the read; the lease's transfer deadline also bounds it. */
   readonly deadline?: number;
