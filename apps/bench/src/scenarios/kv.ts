@@ -220,9 +220,12 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       const rounds = a.map((x, r) => gbps(x.bytes, x.ms) / gbps((b[r] as KvMethodResult).bytes, (b[r] as KvMethodResult).ms));
       return { value: median(rounds), rounds };
     };
-    /** The ratio row of `subject` against `baseline` in shape `ci` (median of per-round ratios); `after` follows the shape in its name. */
-    const ratioRow = (ci: number, c: KvConfig, name: string, subject: KvMethod, baseline: KvMethod, goalValue?: number, after = ''): Ratio => {
-      const { value, rounds } = paired(ci, subject, baseline);
+    /**
+     * The ratio row of `subject` against `baseline` in shape `ci` (median of per-round ratios,
+     * `paired` unless given); `after` follows the shape in its name.
+     */
+    const ratioRow = (ci: number, c: KvConfig, name: string, subject: KvMethod, baseline: KvMethod, goalValue?: number, after = '', measured = paired(ci, subject, baseline)): Ratio => {
+      const { value, rounds } = measured;
       return {
         name: `${name} @ ${label(c)}${after}`,
         subject: NAMES[subject](transportOf(subject)),
@@ -292,15 +295,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
           const alt = rows.get(`${ci}/same-host-leased-alternating`) ?? [];
           if (alt.length > 0 && alt.every((x) => x.pairedReadMs !== undefined)) {
             const rounds = alt.map((x) => (x.pairedReadMs as number) / x.ms);
-            ratios.push({
-              name: `same-host leased/engine.read, alternating per fetch @ ${label(c)} (each fetch right after a read)`,
-              subject: NAMES['same-host-leased-alternating'](transportOf('same-host-leased-alternating')),
-              baseline: NAMES['same-host-read'](transportOf('same-host-read')),
-              blockBytes: c.blockBytes,
-              descriptors: descriptorsOf(c),
-              value: median(rounds),
-              rounds,
-            });
+            ratios.push(ratioRow(ci, c, 'same-host leased/engine.read, alternating per fetch', 'same-host-leased-alternating', 'same-host-read', undefined, ' (each fetch right after a read)', { value: median(rounds), rounds }));
           }
         }
       }

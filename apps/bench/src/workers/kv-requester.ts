@@ -229,25 +229,19 @@ async function timed(
   // At least `fetches`, and more (up to MAX_FETCHES) until the timed calls add up to minMs: a
   // measurement of a few milliseconds is mostly the noise of a shared machine.
   for (let f = 0; f < fetches || (ms < minMs && f < MAX_FETCHES); f++, done++) {
+    if (before) {
+      // The per-call baseline (alternating methods), timed on its own, before this call's
+      // samples are poisoned (it writes the same destination).
+      const b0 = nowMs();
+      beforeBytes += await before();
+      beforeMs += nowMs() - b0;
+    }
     for (let j = 0; j < sample.length; j++) {
       const i = count <= SAMPLES ? j : Math.floor(random() * count);
       sample[j] = i;
       const ro = offsets[i] as number;
       dest[i * s] = (reference[ro] as number) ^ 0xff;
       dest[(i + 1) * s - 1] = (reference[ro + s - 1] as number) ^ 0xff;
-    }
-    if (before) {
-      // The per-call baseline (alternating methods), timed on its own; the poisoned bytes above
-      // are rewritten by it, so they are poisoned again for the timed call.
-      const b0 = nowMs();
-      beforeBytes += await before();
-      beforeMs += nowMs() - b0;
-      for (let j = 0; j < sample.length; j++) {
-        const i = sample[j] as number;
-        const ro = offsets[i] as number;
-        dest[i * s] = (reference[ro] as number) ^ 0xff;
-        dest[(i + 1) * s - 1] = (reference[ro + s - 1] as number) ^ 0xff;
-      }
     }
     const t0 = nowMs();
     const r = await once();
@@ -261,32 +255,42 @@ async function timed(
   return { ms, fetches: done, bytes: done * count * s, descriptors: done * count, latencies, failures, firstMs, warmupCalls, ...(before ? { beforeMs, beforeBytes } : {}), ...(transport !== undefined ? { transport } : {}) };
 }
 
+/** Descriptor i of the fetch from remote offset `offsets[i]` of the holder's registration into i × s of the lane's destination. */
+function engineRequests(l: Lane, offsets: Float64Array, s: number): TransferRequest[] {
+  const requests: TransferRequest[] = [];
+  for (let i = 0; i < offsets.length; i++) requests.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
+  return requests;
+}
+
+/** The same fetch as leased blocks: by number in the holder's space of `s`-byte blocks, and block i's destination. */
+function leasedBlocks(l: Lane, offsets: Float64Array, s: number): { blocks: { owner: string; numbers: Uint32Array }; destinations: { local: Registration; offset: number; length: number }[] } {
+  const numbers = new Uint32Array(offsets.length);
+  const destinations: { local: Registration; offset: number; length: number }[] = [];
+  for (let i = 0; i < offsets.length; i++) {
+    numbers[i] = (offsets[i] as number) / s;
+    destinations.push({ local: l.reg, offset: i * s, length: s });
+  }
+  return { blocks: { owner: kvSpace(s), numbers }, destinations };
+}
+
+/** Variants of the leased fetch: blocks by id strings; the release's answer inside the timed call; an engine.read before each fetch. */
+interface LeasedVariant {
+  readonly byId?: boolean;
+  readonly awaitRelease?: boolean;
+  readonly alternate?: boolean;
+}
+
 /**
  * Leased: the library's fetch flow per fetch: acquire + one grant + one batched read, then
  * disposal (the release is queued; its answer is awaited outside the timed calls and must be
  * a confirmation for every lease).
  * The blocks by number in the holder's space of `s`-byte blocks, or (`byId`) by id strings.
  */
-async function runLeased(
-  l: Lane,
-  offsets: Float64Array,
-  s: number,
-  fetches: number,
-  random: () => number,
-  client: LockClient,
-  byId = false,
-  awaitRelease = false,
-  alternate = false,
-): Promise<Omit<KvMethodResult, 'method'>> {
-  const ids: string[] = [];
-  const numbers = new Uint32Array(offsets.length);
-  const destinations: { local: Registration; offset: number; length: number }[] = [];
-  for (let i = 0; i < offsets.length; i++) {
-    if (byId) ids.push(kvBlockId(offsets[i] as number, s));
-    numbers[i] = (offsets[i] as number) / s;
-    destinations.push({ local: l.reg, offset: i * s, length: s });
-  }
-  const blocks = byId ? ids : { owner: kvSpace(s), numbers };
+async function runLeased(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number, client: LockClient, variant: LeasedVariant = {}): Promise<Omit<KvMethodResult, 'method'>> {
+  const { byId = false, awaitRelease = false, alternate = false } = variant;
+  const numbered = leasedBlocks(l, offsets, s);
+  const destinations = numbered.destinations;
+  const blocks = byId ? Array.from(offsets, (o) => kvBlockId(o, s)) : numbered.blocks;
   const fetchMs: number[] = [];
   const releaseMs: number[] = [];
   const confirmMs: number[] = [];
@@ -295,8 +299,7 @@ async function runLeased(
   // Alternating: an engine.read of the same blocks (through the holder's registration
   // descriptor) right before every fetch, so each fetch starts the way one in a busy process
   // does: after other work, with its code and data out of the caches.
-  const reads: TransferRequest[] = [];
-  if (alternate) for (let i = 0; i < offsets.length; i++) reads.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
+  const reads = alternate ? engineRequests(l, offsets, s) : [];
   const before = alternate ? async (): Promise<number> => (await l.engine.read(endpoint, reads)).bytes : undefined;
   const r = await timed(offsets, s, fetches, random, async () => {
     const t0 = nowMs();
@@ -335,13 +338,7 @@ async function runLeased(
  * end. Every release's answer is awaited after the loop and must confirm it.
  */
 async function runPipelined(l: Lane, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
-  const numbers = new Uint32Array(offsets.length);
-  const destinations: { local: Registration; offset: number; length: number }[] = [];
-  for (let i = 0; i < offsets.length; i++) {
-    numbers[i] = (offsets[i] as number) / s;
-    destinations.push({ local: l.reg, offset: i * s, length: s });
-  }
-  const blocks = { owner: kvSpace(s), numbers };
+  const { blocks, destinations } = leasedBlocks(l, offsets, s);
   const acquire = (): Promise<LockGuard> => client.acquire(cfg.lockAddress, blocks, { timeoutMs: 10_000 });
   let next: Promise<LockGuard> | undefined;
   const releases: Promise<boolean>[] = [];
@@ -371,8 +368,7 @@ async function runPipelined(l: Lane, offsets: Float64Array, s: number, fetches: 
 }
 
 async function runEngine(l: Lane, prepared: boolean, offsets: Float64Array, s: number, fetches: number, random: () => number): Promise<Omit<KvMethodResult, 'method'>> {
-  const requests: TransferRequest[] = [];
-  for (let i = 0; i < offsets.length; i++) requests.push({ local: l.reg, localOffset: i * s, remote: descriptor, remoteOffset: offsets[i] as number, length: s });
+  const requests = engineRequests(l, offsets, s);
   if (!prepared) return timed(offsets, s, fetches, random, () => l.engine.read(endpoint, requests));
   const t0 = nowMs();
   const p: PreparedTransfer = await l.engine.prepare(endpoint, requests, { op: 'read' });
@@ -425,11 +421,11 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
         : method.endsWith('leased-unary')
           ? await runLeased(l, offsets, s, fetches, random, unaryClient)
           : method.endsWith('leased-ids')
-            ? await runLeased(l, offsets, s, fetches, random, client, true)
+            ? await runLeased(l, offsets, s, fetches, random, client, { byId: true })
             : method.endsWith('leased-awaited')
-              ? await runLeased(l, offsets, s, fetches, random, client, false, true)
+              ? await runLeased(l, offsets, s, fetches, random, client, { awaitRelease: true })
               : method.endsWith('leased-alternating')
-                ? await runLeased(l, offsets, s, fetches, random, client, false, false, true)
+                ? await runLeased(l, offsets, s, fetches, random, client, { alternate: true })
                 : method.endsWith('leased-pipelined')
                   ? await runPipelined(l, offsets, s, fetches, random)
                   : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
