@@ -72,12 +72,17 @@ describe('kv settings', () => {
       expect(bytesOf(c)).toBeLessThanOrEqual(s.maxRequestBytes);
     }
     expect(s.transport).toBe('auto');
+    // Every shape's mean rests on at least 16 timed calls per method and round (a 64 MiB fetch
+    // got 3 to 8 from the 40 ms floor alone), and the floor holds with a small --total too.
+    expect(s.minFetches).toBe(16);
+    expect(kvSettings(ctx(false, { totalBytes: 1024 * 1024 })).minFetches).toBe(16);
   });
 
   it('--quick is tiny', () => {
     const s = kvSettings(ctx(true));
     expect(s.regionBytes).toBeLessThanOrEqual(16 * 1024 * 1024);
     expect(s.rounds).toBe(1);
+    expect(s.minFetches).toBe(2);
     for (const c of s.configs) expect(bytesOf(c)).toBeLessThanOrEqual(4 * 1024 * 1024);
   });
 });

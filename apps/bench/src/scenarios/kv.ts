@@ -23,6 +23,8 @@ import { formatBytes } from '../units.js';
 const KiB = 1024;
 const MiB = 1024 * 1024;
 const SEED = 4242;
+/** Timed fetches per method, shape and round, at least (not --quick): every shape's mean rests on this many calls. */
+const MIN_TIMED_FETCHES = 16;
 
 export interface KvConfig extends KvShape {
   /** Which sweep the shape belongs to: block size, batch size (both when shared), or the plain 1 × 4 MiB read. */
@@ -89,7 +91,9 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
     maxRequestBytes: Math.max(...configs.map(bytesOf)),
     rounds,
     targetBytes: ctx.totalBytes ?? (ctx.quick ? 1 * MiB : 32 * MiB),
-    minFetches: 2,
+    // A 64 MiB fetch takes 5 to 17 ms here: 40 ms alone gave 3 to 8 timed fetches per method and
+    // round, and a goal row's per-round ratios moved by ±0.15 between default runs.
+    minFetches: ctx.quick ? 2 : MIN_TIMED_FETCHES,
     minMs: ctx.quick ? 0 : 40,
     warmupMs: o.warmupMs ?? (ctx.quick ? 0 : 300),
     transport: o.transport ?? 'auto',
