@@ -184,13 +184,15 @@ export function program(): Command {
     .option('--per-fetch <n>', 'blocks per fetch (default 8, 4 with --quick)')
     .option('--lanes <n>', 'fetches in flight at once in the requester (default 2)')
     .option('--rounds <n>', 'rounds per lane; the same-host and tcp lanes alternate (default 2, 1 with --quick)')
+    .option('--warmup-fetches <n>', "untimed one-block fetches by each round's requester before it times anything: the lease path compiled (default 3000, 0 with --quick)")
     .addOption(transportOption())
-    .action((opts: GlobalOptions & { duration?: string; transport: TransportChoice; blocks?: string; perFetch?: string; lanes?: string; rounds?: string }) => {
+    .action((opts: GlobalOptions & { duration?: string; transport: TransportChoice; blocks?: string; perFetch?: string; lanes?: string; rounds?: string; warmupFetches?: string }) => {
       const durationMs = opts.duration === undefined ? undefined : positive(opts.duration, '--duration', 10) * 1000;
       const [blocks, perFetch, lanes, rounds] = [whole(opts.blocks, '--blocks'), whole(opts.perFetch, '--per-fetch'), whole(opts.lanes, '--lanes'), whole(opts.rounds, '--rounds')];
+      const warmupFetches = opts.warmupFetches === undefined ? undefined : wholeOrZero(opts.warmupFetches, '--warmup-fetches');
       return execute('run', [(ctx) => {
         const base = runSettings(ctx, durationMs, opts.transport);
-        const s = { ...base, ...(blocks ? { blocks } : {}), ...(perFetch ? { blocksPerFetch: perFetch } : {}), ...(lanes ? { lanes } : {}), ...(rounds ? { rounds } : {}) };
+        const s = { ...base, ...(blocks ? { blocks } : {}), ...(perFetch ? { blocksPerFetch: perFetch } : {}), ...(lanes ? { lanes } : {}), ...(rounds ? { rounds } : {}), ...(warmupFetches !== undefined ? { warmupFetches } : {}) };
         if (s.blocksPerFetch > s.blocks) throw new BenchError(`--per-fetch ${s.blocksPerFetch} is more than the pool's ${s.blocks} blocks`);
         return runScenario(ctx, s);
       }], opts);
@@ -201,14 +203,16 @@ export function program(): Command {
     .option('--batches <list>', 'descriptors per fetch for the batch sweep at 16 KiB (default 64,256,1024,4096)')
     .option('--rounds <n>', 'interleaved rounds; figures are medians (default 3, 1 with --quick)')
     .option('--warmup-ms <ms>', 'untimed fetches per method and shape before the timed ones: at least 20, more until they took this long (default 300; 0, the --quick default, runs one)')
+    .option('--lease-warmup <n>', 'untimed one-block leased fetches per lane before the rounds (half as many unary, a quarter by id): the lease path compiled (default 3000; 0 with --quick or --warmup-ms 0)')
     .addOption(transportOption())
-    .action((opts: GlobalOptions & { layers?: string; blocks?: string; batches?: string; rounds?: string; warmupMs?: string; transport: TransportChoice }) => {
+    .action((opts: GlobalOptions & { layers?: string; blocks?: string; batches?: string; rounds?: string; warmupMs?: string; leaseWarmup?: string; transport: TransportChoice }) => {
       const layers = whole(opts.layers, '--layers');
       const blocks = whole(opts.blocks, '--blocks');
       const rounds = whole(opts.rounds, '--rounds');
       const batches = opts.batches?.split(',').map((b) => whole(b.trim(), '--batches') as number);
       const warmupMs = opts.warmupMs === undefined ? undefined : wholeOrZero(opts.warmupMs, '--warmup-ms');
-      return execute('kv', [(ctx) => kvScenario(ctx, kvSettings(ctx, { transport: opts.transport, ...(layers ? { layers } : {}), ...(blocks ? { blocks } : {}), ...(rounds ? { rounds } : {}), ...(batches ? { batches } : {}), ...(warmupMs !== undefined ? { warmupMs } : {}) }))], opts);
+      const leaseWarmup = opts.leaseWarmup === undefined ? undefined : wholeOrZero(opts.leaseWarmup, '--lease-warmup');
+      return execute('kv', [(ctx) => kvScenario(ctx, kvSettings(ctx, { transport: opts.transport, ...(layers ? { layers } : {}), ...(blocks ? { blocks } : {}), ...(rounds ? { rounds } : {}), ...(batches ? { batches } : {}), ...(warmupMs !== undefined ? { warmupMs } : {}), ...(leaseWarmup !== undefined ? { leaseWarmup } : {}) }))], opts);
     });
   p.command('holder')
     .description('the holder half of `run`, in the foreground, for a requester on another machine (`fetch --holder`)')

@@ -2,6 +2,7 @@ import fc from 'fast-check';
 import { describe, expect, it } from 'vitest';
 import { bytesOf, descriptorsOf, firstAdjacent, grantLayers, regionNeeded, rng, scatter, slotsPerLayer } from '../src/kv-shape.js';
 import { kvSettings } from '../src/scenarios/kv.js';
+import { runSettings } from '../src/scenarios/run.js';
 import type { ScenarioContext } from '../src/types.js';
 
 const shape = fc.record({
@@ -76,6 +77,10 @@ describe('kv settings', () => {
     // got 3 to 8 from the 40 ms floor alone), and the floor holds with a small --total too.
     expect(s.minFetches).toBe(16);
     expect(kvSettings(ctx(false, { totalBytes: 1024 * 1024 })).minFetches).toBe(16);
+    // The lease path is brought to steady state before the rounds, unless warm-up is off.
+    expect(s.leaseWarmupCycles).toBe(3000);
+    expect(kvSettings(ctx(false), { warmupMs: 0 }).leaseWarmupCycles).toBe(0);
+    expect(kvSettings(ctx(false), { leaseWarmup: 12 }).leaseWarmupCycles).toBe(12);
   });
 
   it('--quick is tiny', () => {
@@ -83,7 +88,16 @@ describe('kv settings', () => {
     expect(s.regionBytes).toBeLessThanOrEqual(16 * 1024 * 1024);
     expect(s.rounds).toBe(1);
     expect(s.minFetches).toBe(2);
+    expect(s.leaseWarmupCycles).toBe(0);
+    expect(kvSettings(ctx(true), { warmupMs: 5 }).leaseWarmupCycles).toBe(3000);
     for (const c of s.configs) expect(bytesOf(c)).toBeLessThanOrEqual(4 * 1024 * 1024);
+  });
+});
+
+describe('run settings', () => {
+  it('each round\'s requester warms the lease path with 3,000 one-block fetches, none with --quick', () => {
+    expect(runSettings(ctx(false)).warmupFetches).toBe(3000);
+    expect(runSettings(ctx(true)).warmupFetches).toBe(0);
   });
 });
 

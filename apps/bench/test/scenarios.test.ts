@@ -40,6 +40,8 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(run.notes.some((n) => n.startsWith(`transport chosen: ${want} — `))).toBe(true);
     expect(run.measurements.find((m) => m.role === 'subject' && m.transport !== undefined)?.transport).toBe(want);
     expect(run.measurements.map((m) => m.name)).toEqual(expect.arrayContaining(['raw node:net stream', 'memcpy (Buffer.copy)']));
+    // --quick: no lease path warm-up before the timed fetches.
+    expect(run.notes.some((n) => n.includes('lease path warm-up'))).toBe(false);
     // Every lane's fetches are broken down into stages, one sample per fetch in each.
     const lanes = sameHost ? ['', ', --transport tcp lane of the same run'] : [''];
     for (const suffix of lanes) {
@@ -62,14 +64,17 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     }
   });
 
-  it('run --transport tcp: the requester registers only TCP and the engine says why it is the one', async () => {
-    const out = await quick('run', ['--transport', 'tcp']);
+  it('run --transport tcp: the requester registers only TCP and the engine says why it is the one; --warmup-fetches runs that many untimed one-block fetches first', async () => {
+    const out = await quick('run', ['--transport', 'tcp', '--warmup-fetches', '7']);
     const run = out.results[0]!;
     expect(run.verificationFailures).toBe(0);
     expect(run.notes.some((n) => n.startsWith('transport chosen: tcp — '))).toBe(true);
     expect(run.measurements.find((m) => m.role === 'subject' && m.transport !== undefined)?.transport).toBe('tcp');
+    expect(run.notes.filter((n) => n.startsWith('lease path warm-up before the timed fetches (untimed): 7 fetches of one block in '))).toHaveLength(1);
+    // The warm-up's leases are released like every other: the holder's counters balance.
     const c = run.counters!;
     expect(c['acquired']).toBe(c['released']! + c['expired']! + c['active']!);
+    expect(c['active']).toBe(0);
   });
 
   it('kv: scattered layers × blocks fetches on the same-host transport and TCP, prepared and not, beside memcpy and a raw stream, every byte verified', async () => {
@@ -94,6 +99,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
       }
     }
     if (!sameHost) expect(kv.measurements.some((m) => m.transport === 'cuda-ipc')).toBe(false);
+    expect(kv.notes.some((n) => n.startsWith('no lease path warm-up before the rounds (--quick'))).toBe(true);
     for (const b of ['raw node:net stream (same byte count)', 'memcpy (Buffer.copy per descriptor, JS loop)']) {
       expect(kv.measurements.filter((m) => m.name === b && m.role === 'baseline').length, b).toBeGreaterThan(0);
     }
@@ -171,8 +177,8 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     }
   });
 
-  it('kv --transport tcp: only TCP rows; --warmup-ms runs at least 20 untimed calls per measurement', async () => {
-    const out = await quick('kv', ['--transport', 'tcp', '--batches', '32', '--warmup-ms', '1']);
+  it('kv --transport tcp: only TCP rows; --warmup-ms runs at least 20 untimed calls per measurement; --lease-warmup that many leased fetches per lane before the rounds', async () => {
+    const out = await quick('kv', ['--transport', 'tcp', '--batches', '32', '--warmup-ms', '1', '--lease-warmup', '6']);
     const kv = out.results[0]!;
     expect(kv.verificationFailures).toBe(0);
     const engines = kv.measurements.filter((m) => m.role === 'subject' && m.descriptors !== undefined);
@@ -180,12 +186,28 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(new Set(engines.map((m) => m.transport))).toEqual(new Set(['tcp']));
     for (const m of kv.measurements.filter((x) => x.descriptors !== undefined)) expect(m.extra?.['warmupCalls'], m.name).toBeGreaterThanOrEqual(20);
     expect(kv.ratios.some((r) => r.name.startsWith('same-host'))).toBe(false);
+    const warm = kv.notes.filter((n) => n.startsWith('lease path warm-up before the rounds (untimed, once per run): 9 leased fetches of one '));
+    expect(warm).toHaveLength(1);
+    expect(warm[0]).toMatch(/\(tcp Session stream: 6 fetches, median of the first 100 \d+\.\d{3} ms, of the last 100 \d+\.\d{3} ms; tcp unary calls: 3 fetches, /);
   });
 
   it('locks: cycles beside the gRPC echo baseline; killed requesters are expired and counted', async () => {
     const out = await quick('locks');
     const res = out.results[0]!;
     expect(res.measurements.some((m) => m.role === 'baseline')).toBe(true);
+    // Round trips back to back, after 5 ms of computing, after 5 ms idle: one run of 10 each.
+    for (const call of ['lock acquire+release (4 blocks)', 'raw @grpc/grpc-js unary echo ×2']) {
+      for (const pause of ['back to back', 'after 5 ms of computing', 'after 5 ms idle']) {
+        const row = res.measurements.find((m) => m.name === `${call}, ${pause}`);
+        expect(row?.latency?.count, `${call}, ${pause}`).toBe(10);
+        expect(row?.latency?.p50Ms).toBeGreaterThan(0);
+      }
+      for (const pause of ['after 5 ms of computing', 'after 5 ms idle']) {
+        const r = res.ratios.find((x) => x.name === `${call}: back to back / ${pause} (median cycle)`);
+        expect(r?.value, pause).toBeGreaterThan(0);
+        expect(Number.isFinite(r?.value)).toBe(true);
+      }
+    }
     const c = res.counters!;
     expect(c['acquired']).toBe(c['released']! + c['expired']! + c['active']!);
     expect(c['expired']).toBeGreaterThan(0);
@@ -261,6 +283,8 @@ describe('bench error paths', () => {
       ['run', '--duration', '-3'],
       ['run', '--blocks', '4', '--per-fetch', '8'],
       ['run', '--lanes', '0'],
+      ['run', '--warmup-fetches', '-1'],
+      ['kv', '--lease-warmup', 'x'],
       ['holder', '--blocks', 'many'],
     ]) {
       const r = await runCli(args);

@@ -25,6 +25,13 @@ const MiB = 1024 * 1024;
 const SEED = 4242;
 /** Timed fetches per method, shape and round, at least (not --quick): every shape's mean rests on this many calls. */
 const MIN_TIMED_FETCHES = 16;
+/**
+ * Untimed leased fetches of one block per lane (half as many unary, a quarter by id) before the
+ * rounds: V8 needs thousands of calls before @grpc/grpc-js and the lease path run optimized code
+ * (an acquire of 1,024 blocks took about 1.0 ms over its first 500 calls and about 0.25 ms after
+ * 3,000 here); the per-method warm-up makes a few dozen.
+ */
+const LEASE_WARMUP_CYCLES = 3000;
 
 export interface KvConfig extends KvShape {
   /** Which sweep the shape belongs to: block size, batch size (both when shared), or the plain 1 × 4 MiB read. */
@@ -39,6 +46,8 @@ export interface KvSettings {
   /** Bytes each method moves per configuration per round (timed fetches = this / fetch bytes, clamped). */
   readonly targetBytes: number;
   readonly minFetches: number;
+  /** Leased fetches of one block per lane before the rounds (0 with --quick, --warmup-ms 0 or --lease-warmup 0). */
+  readonly leaseWarmupCycles: number;
   /** Each measurement (one method, shape and round) runs timed fetches until they took at least this long (at most 1,000 fetches). */
   readonly minMs: number;
   /** Untimed fetches before each measurement's timed ones: one if 0, else at least 20 and more until they took this long (at most 1,000). */
@@ -55,6 +64,8 @@ export interface KvOptions {
   rounds?: number;
   /** Warm-up per measurement in ms (default 300, 0 with --quick): 0 keeps one untimed fetch. */
   warmupMs?: number;
+  /** Leased fetches of one block per lane before the rounds (default 3000, 0 with --quick or warmupMs 0). */
+  leaseWarmup?: number;
   transport?: TransportChoice;
 }
 
@@ -96,6 +107,7 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
     minFetches: ctx.quick ? 2 : MIN_TIMED_FETCHES,
     minMs: ctx.quick ? 0 : 40,
     warmupMs: o.warmupMs ?? (ctx.quick ? 0 : 300),
+    leaseWarmupCycles: o.leaseWarmup ?? ((o.warmupMs ?? (ctx.quick ? 0 : 300)) > 0 ? LEASE_WARMUP_CYCLES : 0),
     transport: o.transport ?? 'auto',
     compare: ctx.compare === true,
   };
@@ -187,11 +199,22 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
     const transportOf = (m: KvMethod): string => (m.startsWith('same-host') ? (hello.transports['same-host'] as string) : m.startsWith('tcp') ? (hello.transports['tcp'] as string) : '');
 
+    let id = 0;
+    // The lease path at steady state first (see LEASE_WARMUP_CYCLES): untimed, once per run.
+    let warmNote: string | undefined;
+    if (s.leaseWarmupCycles > 0) {
+      const rid = ++id;
+      ctx.progress('kv (lease path warm-up)', 0, 1);
+      req.send({ type: 'warm-leases', id: rid, cycles: s.leaseWarmupCycles, blockBytes: Math.min(...blockSizes) });
+      const w = await req.next<{ type: string; ms?: number; fetches?: number; rows?: string[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
+      if (w.type === 'error' || w.rows === undefined) throw new BenchError(`kv lease path warm-up failed: ${w.message ?? 'no result'}`);
+      warmNote = `lease path warm-up before the rounds (untimed, once per run): ${w.fetches ?? 0} leased fetches of one ${formatBytes(Math.min(...blockSizes))} block in ${((w.ms ?? 0) / 1000).toFixed(1)} s, each released (${w.rows.join('; ')})`;
+    }
+
     // rounds × configs, each measuring every method once, in an order that alternates per round.
     const rows = new Map<string, KvMethodResult[]>(); // `${config index}/${method}` -> one result per round
     const steps = s.rounds * s.configs.length;
     let done = 0;
-    let id = 0;
     for (let r = 0; r < s.rounds; r++) {
       for (const [ci, c] of s.configs.entries()) {
         const fetches = Math.min(1000, Math.max(s.minFetches, Math.ceil(s.targetBytes / bytesOf(c))));
@@ -390,6 +413,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
       ...ready.notes,
       ...hello.notes,
       'a fetch reads the same random block ids from every layer, layer-major, into one contiguous destination; no two consecutive descriptors are adjacent in the region, so the engine merges nothing',
+      ...(warmNote !== undefined ? [warmNote] : ['no lease path warm-up before the rounds (--quick, --warmup-ms 0 or --lease-warmup 0): the leased rows include V8 compiling the gRPC and lease code']),
       `each method, per shape and round: untimed warm-up fetches (${s.warmupMs > 0 ? `at least 20, more until they took ${s.warmupMs} ms, at most 1,000` : 'one'}; extra.firstCallMs is the very first call of the method, in round 1: the cold cost), then at least ${s.minFetches} timed fetches (about ${formatBytes(s.targetBytes)}) and, past those, more until the timed calls took ${s.minMs} ms (at most 1,000), one at a time; GB/s and descriptors/s are from the time inside the fetch calls, median of ${s.rounds} round(s); methods alternate order every round; a ratio row is the median of its per-round ratios (subject and baseline of the same round; \`rounds\` in the JSON)`,
       'unprepared: engine.read with the same request list each fetch; prepared: engine.prepare once per shape and round (time in extra.prepareMedianMs), then run() per fetch',
       'leased: the library flow per fetch, client.fetch (gRPC acquire on the holder, which makes one engine.grant over the lease\'s blocks with engineGrants; one engine.read; length checks) then its disposal, as `await using` does: the release (the holder revokes the grant) is queued and not waited for; every release\'s answer is awaited after the method\'s fetches and must confirm it; the ratio against engine.read is the lease + grant overhead. The blocks are named by number in the holder\'s numbered block space of the block size (`{ owner: \'kv-<bytes>\', numbers }`: the owner once, the numbers packed; the lease table counts pins in a typed array; the grant is the block grant of the numbers); "by id" is the same fetch naming each block by an id string (`block:kv:<offset>_<bytes>`, looked up in the holder\'s block map, pinned in its map of ids)',

@@ -12,7 +12,7 @@ import * as grpc from '@grpc/grpc-js';
 import { LockClient } from '@tensorwire/lock-client';
 import { ECHO_SERVICE } from '../echo.js';
 import { spawnWorker, type Worker } from '../proc.js';
-import { nowMs, summarize } from '../stats.js';
+import { median, nowMs, summarize } from '../stats.js';
 import { BenchError, type Measurement, type Ratio, type Scenario, type ScenarioContext, type ScenarioResult } from '../types.js';
 
 interface EchoClient extends grpc.Client {
@@ -34,6 +34,27 @@ interface HolderCounters {
 }
 
 const GOAL = 0.8;
+
+/** The pause before a round trip in the gap measurements (ms): about one 64 MiB same-host read here. */
+const GAP_MS = 5;
+type GapKind = 'none' | 'busy' | 'idle';
+const GAP_KINDS: readonly GapKind[] = ['none', 'busy', 'idle'];
+const GAP_NAMES: Record<GapKind, string> = {
+  none: 'back to back',
+  busy: `after ${GAP_MS} ms of computing`,
+  idle: `after ${GAP_MS} ms idle`,
+};
+
+/** Consecutive cycles of one kind of pause, kept (after one that is not). */
+const GAP_RUN = 10;
+
+/** A pause: nothing, the event loop held by a spin on the clock, or a timer. */
+async function gap(kind: GapKind): Promise<void> {
+  if (kind === 'busy') {
+    const end = nowMs() + GAP_MS;
+    while (nowMs() < end);
+  } else if (kind === 'idle') await new Promise((r) => setTimeout(r, GAP_MS));
+}
 
 /**
  * Whether `bytes` are exactly the bytes of `text` (an id: ASCII by its grammar, so one
@@ -128,6 +149,29 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
     const echoOps = echoSamples.length / (echoMs / 1000);
     const ratio = lockOps / echoOps;
 
+    // What a pause before a round trip costs on this host: the same lock cycle and echo pair
+    // right after the previous one, after GAP_MS of this process computing (the holder idle, as
+    // during a same-host copy), and after GAP_MS of both processes idle. Interleaved per cycle.
+    const gapSamples: Record<GapKind, { lock: number[]; echo: number[] }> = { none: { lock: [], echo: [] }, busy: { lock: [], echo: [] }, idle: { lock: [], echo: [] } };
+    // Runs of GAP_RUN cycles of one kind (the first of each run, which follows another kind, not
+    // kept), the kinds and the two calls rotating run by run.
+    const gapRuns = ctx.quick ? 1 : 30;
+    for (let i = 0; i < gapRuns; i++) {
+      for (const kind of GAP_KINDS) {
+        for (const what of ['lock', 'echo'] as const) {
+          if (signal.aborted) throw new BenchError('aborted');
+          for (let k = 0; k <= GAP_RUN; k++) {
+            await gap(kind);
+            const t0 = nowMs();
+            if (what === 'lock') await lockCycle();
+            else await echoPair();
+            if (k > 0) gapSamples[kind][what].push(nowMs() - t0);
+          }
+        }
+      }
+    }
+    const gapCycles = gapRuns * GAP_RUN;
+
     // Fault injection: requesters SIGKILLed while they hold leases.
     const victimWorkers: Worker[] = [];
     for (let i = 0; i < victims; i++) {
@@ -197,8 +241,20 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
         pass: ratio >= GOAL,
       },
     ];
+    for (const what of ['lock', 'echo'] as const) {
+      const label = what === 'lock' ? `lock acquire+release (${blocksPerLease} blocks)` : 'raw @grpc/grpc-js unary echo ×2';
+      for (const kind of GAP_KINDS) {
+        measurements.push({ name: `${label}, ${GAP_NAMES[kind]}`, role: kind === 'none' ? 'baseline' : 'subject', latency: summarize(gapSamples[kind][what]), extra: { gapMs: kind === 'none' ? 0 : GAP_MS, cycles: gapSamples[kind][what].length } });
+      }
+      const p50 = (kind: GapKind): number => median(gapSamples[kind][what]);
+      for (const kind of ['busy', 'idle'] as const) {
+        // Time per cycle: the back-to-back cycle's median over the one after the gap (below 1: the gap costs).
+        ratios.push({ name: `${label}: back to back / ${GAP_NAMES[kind]} (median cycle)`, subject: `${label}, ${GAP_NAMES.none}`, baseline: `${label}, ${GAP_NAMES[kind]}`, value: p50('none') / p50(kind) });
+      }
+    }
     notes.push(
       `holder in a child process, lock timeout ${lockTimeoutMs} ms; one request in flight; ${rounds} interleaved rounds of ${perRound}`,
+      `pauses: ${gapCycles} cycles of each kind, in runs of ${GAP_RUN} that rotate kinds (lock cycle and echo pair each right after the previous call, after ${GAP_MS} ms of this process spinning on the clock while the holder waits, as during a same-host copy, and after a ${GAP_MS} ms timer with both idle); medians per cycle: lock ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].lock).toFixed(3)}`).join(', ')} ms; echo pair ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].echo).toFixed(3)}`).join(', ')} ms. What a round trip costs after a pause (caches, branch predictors and, on a VM, a halted virtual CPU) is what a lease pays after a fetch's read`,
       `fault injection: ${victims} requester processes SIGKILLed mid-lease; GC expired them ${Math.round(gcWaitMs)} ms after the kill (before: ${beforeKill.active} active)`,
       `holder counters: acquired ${after.acquired} = released ${after.released} + expired ${after.expired} + active ${after.active} → ${balanced ? 'balanced' : 'NOT BALANCED'}`,
     );
