@@ -151,7 +151,7 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
 
     // What a pause before a round trip costs on this host: the same lock cycle and echo pair
     // right after the previous one, after GAP_MS of this process computing (the holder idle, as
-    // during a same-host copy), and after GAP_MS of both processes idle. Interleaved per cycle.
+    // during a same-host copy), and after GAP_MS of both processes idle.
     const gapSamples: Record<GapKind, { lock: number[]; echo: number[] }> = { none: { lock: [], echo: [] }, busy: { lock: [], echo: [] }, idle: { lock: [], echo: [] } };
     // Runs of GAP_RUN cycles of one kind (the first of each run, which follows another kind, not
     // kept), the kinds and the two calls rotating run by run.

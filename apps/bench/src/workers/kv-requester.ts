@@ -506,7 +506,11 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
   for (const r of runs) {
     const destinations = [{ local: r.l.reg, offset: 0, length: blockBytes }];
     const times: number[] = [];
-    const releases: Promise<unknown>[] = [];
+    const releases: Promise<boolean>[] = [];
+    let unconfirmed = 0;
+    const settle = async (): Promise<void> => {
+      for (const ok of await Promise.all(releases.splice(0))) if (!ok) unconfirmed++;
+    };
     for (let i = 0; i < r.n; i++) {
       const n = (i * 7919) % slots;
       const blocks = r.byId ? [kvBlockId(n * blockBytes, blockBytes)] : { owner: kvSpace(blockBytes), numbers: Uint32Array.of(n) };
@@ -514,12 +518,14 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
       const f = await r.c.fetch(r.l.engine, cfg.lockAddress, blocks, destinations, { timeoutMs: 10_000 });
       times.push(nowMs() - a);
       await f[Symbol.asyncDispose]();
-      releases.push(f.release());
+      releases.push(f.release().then((res) => res.confirmed));
       // Bounded: the holder's live leases stay few.
-      if (releases.length >= 64) await Promise.all(releases.splice(0));
+      if (releases.length >= 64) await settle();
       fetches++;
     }
-    await Promise.all(releases);
+    await settle();
+    // Like every leased method's: each release confirmed by the holder, none left to its GC.
+    if (unconfirmed > 0) throw new Error(`lease path warm-up: ${unconfirmed} of ${r.n} releases (${r.lane}, ${r.who}) were not confirmed`);
     rows.push(`${r.lane} ${r.who}: ${r.n} fetches, median of the first 100 ${median(times.slice(0, 100)).toFixed(3)} ms, of the last 100 ${median(times.slice(-100)).toFixed(3)} ms`);
   }
   return { ms: nowMs() - t0, fetches, rows };
