@@ -20,7 +20,7 @@ import { TransferEngine, silentLogger, type Registration } from '@tensorwire/cor
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { LockClient, decodeFetchDescriptor } from '@tensorwire/lock-client';
 import { blockId, blockSeed, decodeRawPort } from './fetch-protocol.js';
-import { gbps, median, nowMs, summarize } from './stats.js';
+import { gbps, median, nowMs, summarize, warmupTrend } from './stats.js';
 import { requesterTransports, type TransportChoice } from './transports.js';
 import type { Measurement, Ratio } from './types.js';
 
@@ -170,7 +170,7 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
         releases.push(f.release().then((r) => (r.confirmed ? 0 : 1)));
       }
       notes.push(
-        `lease path warm-up before the timed fetches (untimed): ${times.length} fetches of one block in ${((nowMs() - w0) / 1000).toFixed(1)} s, median of the first 100 ${median(times.slice(0, 100)).toFixed(3)} ms, of the last 100 ${median(times.slice(-100)).toFixed(3)} ms`,
+        `lease path warm-up before the timed fetches (untimed): ${times.length} fetches of one block in ${((nowMs() - w0) / 1000).toFixed(1)} s, ${warmupTrend(times)}`,
       );
     }
     const start = nowMs();

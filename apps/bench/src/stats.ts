@@ -22,6 +22,22 @@ export function nowMs(): number {
   return Number(process.hrtime.bigint()) / 1e6;
 }
 
+/**
+ * Untimed warm-up calls in a window of 100 at each end, as notes print them: `median of the
+ * first 100 X ms, of the last 100 Y ms` (how far V8 took the path before anything was timed).
+ */
+export function warmupTrend(timesMs: readonly number[]): string {
+  return `median of the first 100 ${median(timesMs.slice(0, 100)).toFixed(3)} ms, of the last 100 ${median(timesMs.slice(-100)).toFixed(3)} ms`;
+}
+
+/**
+ * Untimed one-block leased fetches that bring the lease path to steady state before a scenario
+ * times it (kv per lane, run per round's fresh requester). V8 compiles @grpc/grpc-js, the lock
+ * client and the holder's lease code over thousands of calls: an acquire of 1,024 blocks took
+ * about 1.0 ms over its first 500 calls and about 0.25 ms after 3,000 on this project's test host.
+ */
+export const LEASE_PATH_WARMUP = 3000;
+
 /** Median (mean of the two middle values for an even count); 0 for no samples. */
 export function median(xs: readonly number[]): number {
   const s = [...xs].sort((a, b) => a - b);

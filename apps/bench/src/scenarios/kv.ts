@@ -15,7 +15,7 @@ import { readFileSync } from 'node:fs';
 import { spawnWorker } from '../proc.js';
 import { UCX_NAMES, ucxPerftest, ucxWarmup, type UcxTransport } from '../external.js';
 import { bytesOf, descriptorsOf, regionNeeded, rng, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
-import { gbps, median, summarize } from '../stats.js';
+import { LEASE_PATH_WARMUP, gbps, median, summarize } from '../stats.js';
 import { sameHostUnavailable, type TransportChoice } from '../transports.js';
 import { BenchError, type Measurement, type Ratio, type ScenarioContext, type ScenarioResult } from '../types.js';
 import { formatBytes } from '../units.js';
@@ -25,13 +25,6 @@ const MiB = 1024 * 1024;
 const SEED = 4242;
 /** Timed fetches per method, shape and round, at least (not --quick): every shape's mean rests on this many calls. */
 const MIN_TIMED_FETCHES = 16;
-/**
- * Untimed leased fetches of one block per lane (half as many unary, a quarter by id) before the
- * rounds: V8 needs thousands of calls before @grpc/grpc-js and the lease path run optimized code
- * (an acquire of 1,024 blocks took about 1.0 ms over its first 500 calls and about 0.25 ms after
- * 3,000 here); the per-method warm-up makes a few dozen.
- */
-const LEASE_WARMUP_CYCLES = 3000;
 
 export interface KvConfig extends KvShape {
   /** Which sweep the shape belongs to: block size, batch size (both when shared), or the plain 1 × 4 MiB read. */
@@ -96,6 +89,7 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
   const regionBytes = Math.ceil(needed / MiB) * MiB;
   if (regionBytes > 4 * 1024 * MiB) throw new BenchError(`kv shapes need a ${formatBytes(regionBytes)} holder region (4 GiB at most): use smaller --sizes, --layers or --blocks`);
   const rounds = o.rounds ?? (ctx.quick ? 1 : 3);
+  const warmupMs = o.warmupMs ?? (ctx.quick ? 0 : 300);
   return {
     configs,
     regionBytes,
@@ -106,8 +100,10 @@ export function kvSettings(ctx: ScenarioContext, o: KvOptions = {}): KvSettings 
     // round, and a goal row's per-round ratios moved by ±0.15 between default runs.
     minFetches: ctx.quick ? 2 : MIN_TIMED_FETCHES,
     minMs: ctx.quick ? 0 : 40,
-    warmupMs: o.warmupMs ?? (ctx.quick ? 0 : 300),
-    leaseWarmupCycles: o.leaseWarmup ?? ((o.warmupMs ?? (ctx.quick ? 0 : 300)) > 0 ? LEASE_WARMUP_CYCLES : 0),
+    warmupMs,
+    // One-block leased fetches per lane (half as many unary, a quarter by id) before the rounds;
+    // the per-method warm-up makes only a few dozen.
+    leaseWarmupCycles: o.leaseWarmup ?? (warmupMs > 0 ? LEASE_PATH_WARMUP : 0),
     transport: o.transport ?? 'auto',
     compare: ctx.compare === true,
   };
@@ -200,15 +196,16 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const transportOf = (m: KvMethod): string => (m.startsWith('same-host') ? (hello.transports['same-host'] as string) : m.startsWith('tcp') ? (hello.transports['tcp'] as string) : '');
 
     let id = 0;
-    // The lease path at steady state first (see LEASE_WARMUP_CYCLES): untimed, once per run.
+    // The lease path at steady state first (see LEASE_PATH_WARMUP): untimed, once per run.
     let warmNote: string | undefined;
     if (s.leaseWarmupCycles > 0) {
+      const warmBytes = Math.min(...blockSizes);
       const rid = ++id;
       ctx.progress('kv (lease path warm-up)', 0, 1);
-      req.send({ type: 'warm-leases', id: rid, cycles: s.leaseWarmupCycles, blockBytes: Math.min(...blockSizes) });
+      req.send({ type: 'warm-leases', id: rid, cycles: s.leaseWarmupCycles, blockBytes: warmBytes });
       const w = await req.next<{ type: string; ms?: number; fetches?: number; rows?: string[]; message?: string }>((m) => m['id'] === rid, ctx.signal);
       if (w.type === 'error' || w.rows === undefined) throw new BenchError(`kv lease path warm-up failed: ${w.message ?? 'no result'}`);
-      warmNote = `lease path warm-up before the rounds (untimed, once per run): ${w.fetches ?? 0} leased fetches of one ${formatBytes(Math.min(...blockSizes))} block in ${((w.ms ?? 0) / 1000).toFixed(1)} s, each released (${w.rows.join('; ')})`;
+      warmNote = `lease path warm-up before the rounds (untimed, once per run): ${w.fetches ?? 0} leased fetches of one ${formatBytes(warmBytes)} block in ${((w.ms ?? 0) / 1000).toFixed(1)} s, each released (${w.rows.join('; ')})`;
     }
 
     // rounds × configs, each measuring every method once, in an order that alternates per round.

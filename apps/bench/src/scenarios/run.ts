@@ -14,7 +14,7 @@
  */
 import { spawnWorker } from '../proc.js';
 import { FETCH_FLOW, FETCH_WALL, fetchMeasurements, type FetchResult } from '../fetcher.js';
-import { median } from '../stats.js';
+import { LEASE_PATH_WARMUP, median } from '../stats.js';
 import type { TransportChoice } from '../transports.js';
 import { BenchError, type ScenarioContext, type ScenarioResult } from '../types.js';
 
@@ -35,13 +35,6 @@ export interface RunSettings {
   warmupFetches: number;
 }
 
-/**
- * One block per fetch, untimed, before each round's timed fetches. V8 compiles the lease path
- * (@grpc/grpc-js, the lock client, the holder) over thousands of calls: an acquire of 1,024
- * blocks took about 1.0 ms over its first 500 calls and about 0.25 ms after 3,000 here.
- */
-const RUN_WARMUP_FETCHES = 3000;
-
 export function runSettings(ctx: ScenarioContext, durationMs?: number, transport: TransportChoice = 'auto'): RunSettings {
   const blockBytes = ctx.sizes?.[0] ?? (ctx.quick ? 64 * 1024 : 1024 * 1024);
   return {
@@ -53,7 +46,7 @@ export function runSettings(ctx: ScenarioContext, durationMs?: number, transport
     lockTimeoutMs: 5_000,
     transport,
     rounds: ctx.quick ? 1 : 2,
-    warmupFetches: ctx.quick ? 0 : RUN_WARMUP_FETCHES,
+    warmupFetches: ctx.quick ? 0 : LEASE_PATH_WARMUP,
   };
 }
 

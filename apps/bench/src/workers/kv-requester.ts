@@ -32,7 +32,7 @@ import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockClient, type LockGuard } from '@tensorwire/lock-client';
 import { bytesOf, kvBlockId, kvSpace, rng, scatter, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
-import { median, nowMs } from '../stats.js';
+import { nowMs, warmupTrend } from '../stats.js';
 import { requesterTransports, type TransportChoice } from '../transports.js';
 
 type KvLane = 'same-host' | 'tcp';
@@ -526,7 +526,7 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
     await settle();
     // Like every leased method's: each release confirmed by the holder, none left to its GC.
     if (unconfirmed > 0) throw new Error(`lease path warm-up: ${unconfirmed} of ${r.n} releases (${r.lane}, ${r.who}) were not confirmed`);
-    rows.push(`${r.lane} ${r.who}: ${r.n} fetches, median of the first 100 ${median(times.slice(0, 100)).toFixed(3)} ms, of the last 100 ${median(times.slice(-100)).toFixed(3)} ms`);
+    rows.push(`${r.lane} ${r.who}: ${r.n} fetches, ${warmupTrend(times)}`);
   }
   return { ms: nowMs() - t0, fetches, rows };
 }
