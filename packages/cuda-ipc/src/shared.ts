@@ -1,11 +1,14 @@
 /**
  * Process-wide bookkeeping for shared memory: which ArrayBuffers are mappings of which
  * segment (so the transport can grant them zero-copy), the exit hook that unlinks every
- * segment this process created, `sweep()` for segments of dead owners, and
- * {@link allocateSharedMemory} for transport registrations.
+ * segment this process created (and the transport's listening socket file), `sweep()` for
+ * segments and socket files of dead owners, and {@link allocateSharedMemory} for transport
+ * registrations.
  */
-import { readdirSync, statSync } from 'node:fs';
+import { lstatSync, readdirSync, statSync, unlinkSync } from 'node:fs';
 import { randomBytes } from 'node:crypto';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { assertOwner, formatId, InvalidInputError } from '@tensorwire/core';
 import { native, SegmentKind, SegmentState } from './native.js';
 import { isProcessAlive, selfStartTime } from './proc.js';
@@ -49,12 +52,46 @@ let exitHooked = false;
 /** Signals whose default action ends the process and that a supervisor typically sends. */
 const CLEANUP_SIGNALS = ['SIGINT', 'SIGTERM', 'SIGHUP'] as const;
 
+/** Socket files this process listens on (cuda-ipc transports not closed yet): unlinked at exit with the segments. */
+const exitSockets = new Set<string>();
+
 function unlinkAll(): void {
   try {
     native.shmUnlinkAll();
   } catch {
     // nothing left to do at exit
   }
+  for (const path of exitSockets) {
+    try {
+      unlinkSync(path);
+    } catch {
+      // already gone
+    }
+  }
+  exitSockets.clear();
+}
+
+/**
+ * The file name of a transport's listening socket: `tw-s<pid>-<start time>-<random>.sock`, so
+ * that {@link sweep} can tell a dead listener's file (SIGKILL runs no exit hook) from a live
+ * one's without connecting to it.
+ */
+const SOCKET_FILE = /^tw-s([1-9][0-9]{0,9})-([0-9]{1,20})-[0-9a-f]{16}\.sock$/;
+
+/** A fresh path for this process's next listening socket, in the OS temporary directory. */
+export function newSocketPath(): string {
+  return join(tmpdir(), `tw-s${process.pid}-${selfStartTime()}-${randomBytes(8).toString('hex')}.sock`);
+}
+
+/** Unlink `path` when this process exits (until {@link forgetSocketAtExit}), like its segments. */
+export function unlinkSocketAtExit(path: string): void {
+  hookExit();
+  exitSockets.add(path);
+}
+
+/** The transport unlinked `path` itself (its close()). */
+export function forgetSocketAtExit(path: string): void {
+  exitSockets.delete(path);
 }
 
 /**
@@ -130,6 +167,8 @@ export interface SweepReport {
   readonly kept: number;
   /** Segments that could not be inspected, and why (other users' segments are skipped silently). */
   readonly skipped: readonly { readonly name: string; readonly reason: string }[];
+  /** Listening socket files (full paths) removed because the transport that made them is dead. */
+  readonly removedSockets: readonly string[];
 }
 
 /**
@@ -138,18 +177,23 @@ export interface SweepReport {
  * The memory itself went with the owner (a memfd lives as long as its creator's descriptor
  * and any mapping); only the name is left. Locators that never became valid are removed
  * once older than `staleInitMs`.
+ *
+ * Also removes, from `socketDir` (default the OS temporary directory), the listening socket
+ * files of cuda-ipc transports whose process is dead or was replaced (the pid and start time
+ * are in the file name): only sockets of this uid, never a live process's.
  */
-export function sweep(options: { dir?: string; staleInitMs?: number } = {}): SweepReport {
+export function sweep(options: { dir?: string; staleInitMs?: number; socketDir?: string } = {}): SweepReport {
   const dir = options.dir ?? '/dev/shm';
   const staleInitMs = options.staleInitMs ?? 60_000;
   const removed: string[] = [];
   const skipped: { name: string; reason: string }[] = [];
+  const removedSockets = sweepSockets(options.socketDir ?? tmpdir(), skipped);
   let kept = 0;
   let entries: string[];
   try {
     entries = readdirSync(dir);
   } catch (e) {
-    return { removed, kept, skipped: [{ name: dir, reason: e instanceof Error ? e.message : String(e) }] };
+    return { removed, kept, skipped: [...skipped, { name: dir, reason: e instanceof Error ? e.message : String(e) }], removedSockets };
   }
   for (const entry of entries) {
     if (!entry.startsWith('tw-')) continue;
@@ -180,7 +224,36 @@ export function sweep(options: { dir?: string; staleInitMs?: number } = {}): Swe
     }
     if (native.shmUnlink(name)) removed.push(name);
   }
-  return { removed, kept, skipped };
+  return { removed, kept, skipped, removedSockets };
+}
+
+/** The socket files of dead transports in `dir`, unlinked; what could not be read goes to `skipped`. */
+function sweepSockets(dir: string, skipped: { name: string; reason: string }[]): string[] {
+  const removed: string[] = [];
+  let entries: string[];
+  try {
+    entries = readdirSync(dir);
+  } catch (e) {
+    skipped.push({ name: dir, reason: e instanceof Error ? e.message : String(e) });
+    return removed;
+  }
+  const uid = process.getuid?.();
+  for (const entry of entries) {
+    const m = SOCKET_FILE.exec(entry);
+    if (m === null) continue;
+    const path = join(dir, entry);
+    try {
+      const st = lstatSync(path);
+      // A socket of this user only: anything else under that name is not a transport's.
+      if (!st.isSocket() || (uid !== undefined && st.uid !== uid)) continue;
+      if (isProcessAlive(Number(m[1]), BigInt(m[2] as string))) continue;
+      unlinkSync(path);
+      removed.push(path);
+    } catch (e) {
+      if ((e as NodeJS.ErrnoException).code !== 'ENOENT') skipped.push({ name: path, reason: e instanceof Error ? e.message : String(e) });
+    }
+  }
+  return removed;
 }
 
 /** True when the segment `name` (`/tw-…`) was last modified more than `ms` ago (false when it cannot be stat'ed). */

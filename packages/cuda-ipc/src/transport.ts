@@ -47,8 +47,6 @@
 import { randomBytes } from 'node:crypto';
 import { chmodSync, unlinkSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
-import { tmpdir } from 'node:os';
-import { join } from 'node:path';
 import {
   BackendUnavailableError,
   engineCheckedBlocks,
@@ -106,7 +104,7 @@ import {
 } from './grants.js';
 import { randomSegmentName, segmentNameProblem } from './names.js';
 import { isProcessAlive, selfStartTime } from './proc.js';
-import { HEADER_SIZE, MAX_SEGMENT_BYTES, hookExit, regionOf } from './shared.js';
+import { HEADER_SIZE, MAX_SEGMENT_BYTES, forgetSocketAtExit, hookExit, newSocketPath, regionOf, unlinkSocketAtExit } from './shared.js';
 
 const ENDPOINT_MAGIC = [0x54, 0x57, 0x43, 0x45]; // TWCE
 const PAYLOAD_MAGIC = [0x54, 0x57, 0x43, 0x47]; // TWCG
@@ -1540,15 +1538,23 @@ export class CudaIpcTransport implements Transport {
     new Uint8Array(mapping, N_HOST, hb.length).set(hb);
     native.setState(mapping, SegmentState.Live);
     this.#presence = { name, mapping };
-    const socketPath = join(tmpdir(), `tw-${randomBytes(12).toString('hex')}.sock`);
+    // The pid and start time in the name let sweep() remove the file of a process that was
+    // SIGKILLed (no exit hook ran); a normal exit without close() unlinks it in the exit hook.
+    const socketPath = newSocketPath();
     const server = createServer((socket) => this.#accept(socket));
-    await new Promise<void>((resolve, reject) => {
-      server.once('error', reject);
-      server.listen(socketPath, () => {
-        server.off('error', reject);
-        resolve();
+    unlinkSocketAtExit(socketPath);
+    try {
+      await new Promise<void>((resolve, reject) => {
+        server.once('error', reject);
+        server.listen(socketPath, () => {
+          server.off('error', reject);
+          resolve();
+        });
       });
-    });
+    } catch (e) {
+      forgetSocketAtExit(socketPath);
+      throw e;
+    }
     server.on('error', (e) => this.#logger.warn('cuda-ipc listener error', { error: String(e) }));
     chmodSync(socketPath, 0o600);
     this.#server = server;
@@ -2044,10 +2050,13 @@ export class CudaIpcTransport implements Transport {
       for (const s of this.#pending) s.destroy();
       await Promise.allSettled([...this.#connections].map((c) => c.close(new ClosedError('cuda-ipc transport closed'))));
       await serverClosed;
-      try {
-        if (this.#socketPath) unlinkSync(this.#socketPath);
-      } catch {
-        // already gone
+      if (this.#socketPath) {
+        forgetSocketAtExit(this.#socketPath);
+        try {
+          unlinkSync(this.#socketPath);
+        } catch {
+          // already gone
+        }
       }
       // Same drain as revoke(): a peer's copy in flight finishes before the grant goes
       // (the registered memory may be reused the moment close() resolves, invariant 6).

@@ -1,6 +1,9 @@
 import { fork, type ChildProcess } from 'node:child_process';
 import { once } from 'node:events';
 import { existsSync } from 'node:fs';
+import { createServer } from 'node:net';
+import { tmpdir } from 'node:os';
+import { join } from 'node:path';
 import { afterAll, describe, expect, it } from 'vitest';
 import { poolSegmentName, sweep } from '../src/index.js';
 import { fixture, killChildren, spawnNode, uniqueOwner } from './helpers.js';
@@ -43,6 +46,56 @@ describe('sweep() after a SIGKILLed owner', () => {
     n.proc.disconnect();
     await n.exited;
     expect(existsSync(shmPath(poolSegmentName(id)))).toBe(false);
+  });
+});
+
+describe("the transport's listening socket file", () => {
+  async function start(nodeId: string): Promise<{ proc: ChildProcess; socket: string; exited: Promise<[number | null, NodeJS.Signals | null]> }> {
+    const proc = fork(fixture('socket-node.mjs'), [nodeId], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+    const exited = once(proc, 'exit') as Promise<[number | null, NodeJS.Signals | null]>;
+    const [{ sockets }] = (await once(proc, 'message')) as [{ sockets: string[] }];
+    expect(sockets).toHaveLength(1);
+    return { proc, socket: sockets[0] as string, exited };
+  }
+
+  it("sweep() removes a SIGKILLed transport's socket file and keeps a live one's", async () => {
+    const dead = await start(`sockdead${process.pid}`);
+    const live = await start(`socklive${process.pid}`);
+    expect(existsSync(dead.socket)).toBe(true);
+    dead.proc.kill('SIGKILL');
+    const [, signal] = await dead.exited;
+    expect(signal).toBe('SIGKILL');
+    // SIGKILL runs no exit hook: the file is still there.
+    expect(existsSync(dead.socket)).toBe(true);
+    // A socket of a name sweep() does not own (no pid in it) is never touched.
+    const foreign = join(tmpdir(), `tw-${process.pid}-not-a-transport.sock`);
+    const server = createServer();
+    await new Promise<void>((resolve) => server.listen(foreign, resolve));
+    try {
+      const report = sweep();
+      expect(report.removedSockets).toContain(dead.socket);
+      expect(report.removedSockets).not.toContain(live.socket);
+      expect(existsSync(dead.socket)).toBe(false);
+      expect(existsSync(live.socket)).toBe(true);
+      expect(existsSync(foreign)).toBe(true);
+    } finally {
+      await new Promise<void>((resolve) => server.close(() => resolve()));
+    }
+    live.proc.send({ op: 'close' });
+    const [closed] = (await once(live.proc, 'message')) as [{ closed: boolean; sockets: string[] }];
+    expect(closed.sockets).toEqual([]);
+    expect(existsSync(live.socket)).toBe(false);
+    live.proc.disconnect();
+    await live.exited;
+  });
+
+  it('a process that exits without closing its engine unlinks the file in the exit hook', async () => {
+    const n = await start(`sockexit${process.pid}`);
+    expect(existsSync(n.socket)).toBe(true);
+    n.proc.send({ op: 'exit' });
+    const [code] = await n.exited;
+    expect(code).toBe(0);
+    expect(existsSync(n.socket)).toBe(false);
   });
 });
 
