@@ -50,8 +50,14 @@ describe('sweep() after a SIGKILLed owner', () => {
 });
 
 describe("the transport's listening socket file", () => {
+  const forked: ChildProcess[] = [];
+  afterAll(() => {
+    // SIGTERM: the exit hook unlinks what a child left if a test failed half-way.
+    for (const p of forked) if (p.exitCode === null && p.signalCode === null) p.kill('SIGTERM');
+  });
   async function start(nodeId: string): Promise<{ proc: ChildProcess; socket: string; exited: Promise<[number | null, NodeJS.Signals | null]> }> {
     const proc = fork(fixture('socket-node.mjs'), [nodeId], { stdio: ['ignore', 'inherit', 'inherit', 'ipc'] });
+    forked.push(proc);
     const exited = once(proc, 'exit') as Promise<[number | null, NodeJS.Signals | null]>;
     const [{ sockets }] = (await once(proc, 'message')) as [{ sockets: string[] }];
     expect(sockets).toHaveLength(1);
