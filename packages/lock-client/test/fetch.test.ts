@@ -107,6 +107,29 @@ describe('fetch: lease + grant + read + release as one call', () => {
     await h.close();
   });
 
+  it('one destinations array used with two holders in turn, then by another engine: each fetch lands its own holder\'s bytes; the other engine is refused and its lease released', async () => {
+    const h1 = await holder(16);
+    const h2 = await holder(16);
+    h2.region.reverse();
+    const r = await requester();
+    const other = await requester('other');
+    const dests = Array.from({ length: 4 }, (_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    for (const h of [h1, h1, h2, h1]) {
+      r.dst.fill(0);
+      await using fetch = await r.client.fetch(r.engine, h.address, ids(4), dests, { timeoutMs: 10_000 });
+      expect(fetch.report.bytes).toBe(4 * BLOCK);
+      for (let i = 0; i < 4; i++) expect(Buffer.compare(r.dst.subarray(i * BLOCK, (i + 1) * BLOCK), slotOf(h.region, i, 16))).toBe(0);
+    }
+    // The destinations are registrations of r's engine: another engine refuses them, the lease is released.
+    await expect(other.client.fetch(other.engine, h1.address, ids(4), dests, { timeoutMs: 10_000 })).rejects.toBeInstanceOf(InvalidInputError);
+    for (const h of [h1, h2]) {
+      await waitFor(() => h.server.counters().active === 0, 'leases released');
+      balanced(h);
+    }
+    await Promise.all([r.close(), other.close()]);
+    await Promise.all([h1.close(), h2.close()]);
+  });
+
   it('one destinations array reused across fetches (its entries changed in between) and by two fetches at once: every block lands where its destination says now', async () => {
     const h = await holder(64);
     const r = await requester();
