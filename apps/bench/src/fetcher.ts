@@ -252,6 +252,8 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
       );
     }
     notes.push(`${fetches} fetches of ${o.blocksPerFetch} random blocks of ${s} bytes over ${(elapsed / 1000).toFixed(1)} s on ${o.lanes} lanes; ${failedFetches} failed`);
+    const session = client.sessionStats().get(o.lockAddress);
+    if (session !== undefined) notes.push(`lease calls: ${session.lanesOpened > 0 ? `over the holder's local lane (${session.lanesOpened} of ${session.opened} streams opened)` : 'over the gRPC Session stream (the holder offered no local lane, or it could not be reached)'}`);
     return { ...result, measurements, ratios };
   } finally {
     await client.close();

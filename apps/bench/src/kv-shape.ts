@@ -104,6 +104,7 @@ export type KvMethod =
   | 'same-host-read'
   | 'same-host-leased'
   | 'same-host-leased-unary'
+  | 'same-host-leased-stream'
   | 'same-host-leased-ids'
   | 'same-host-leased-awaited'
   | 'same-host-leased-alternating'

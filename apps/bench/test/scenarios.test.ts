@@ -133,6 +133,11 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
       expect(piped?.subject).toBe("cuda-ipc: client.fetchLease of a lease acquired during the previous fetch's read (pipelined), disposed");
       expect(piped?.value).toBeGreaterThan(0);
       expect(kv.measurements.some((m) => m.name === piped?.subject && m.transport === 'cuda-ipc' && (m.totalBytes ?? 0) > 0)).toBe(true);
+      // The local lane against the same leased fetch with the Session messages on the gRPC stream.
+      const lane = kv.ratios.find((r) => r.name === 'same-host leased, local lane/gRPC stream @ 64 KiB × 32');
+      expect(lane?.subject).toBe('cuda-ipc: client.fetch (lease + range grant + read), disposed (release queued)');
+      expect(lane?.baseline).toBe('cuda-ipc: client.fetch with the Session messages on the gRPC stream (localLane: false)');
+      expect(lane?.value).toBeGreaterThan(0);
       // One real read of the same bytes before every timed fetch.
       const altRows = kv.measurements.filter((m) => m.name === alt?.subject);
       expect(altRows.length).toBeGreaterThan(0);
@@ -188,7 +193,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     expect(kv.ratios.some((r) => r.name.startsWith('same-host'))).toBe(false);
     const warm = kv.notes.filter((n) => n.startsWith('lease path warm-up before the rounds (untimed, once per run): 9 leased fetches of one '));
     expect(warm).toHaveLength(1);
-    expect(warm[0]).toMatch(/\(tcp Session stream: 6 fetches, median of the first 100 \d+\.\d{3} ms, of the last 100 \d+\.\d{3} ms; tcp unary calls: 3 fetches, /);
+    expect(warm[0]).toMatch(/\(tcp Session stream \(over (the holder's local lane|gRPC)\): 6 fetches, median of the first 100 \d+\.\d{3} ms, of the last 100 \d+\.\d{3} ms; tcp unary calls: 3 fetches, /);
   });
 
   it('locks: cycles beside the gRPC echo baseline; killed requesters are expired and counted', async () => {

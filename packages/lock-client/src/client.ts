@@ -39,6 +39,7 @@ import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
 import { HolderLane, type LaneHooks, type LaneStats, type LaneTransport, type ReleaseResult, type RetryBudget } from './holder-lane.js';
 import { blockIdsProblem, numberedBlockIds, type NumberedBlocks } from './ids.js';
+import { LANE_SUPPORTED, LaneDuplex } from './lane.js';
 import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type ClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
@@ -56,6 +57,11 @@ import {
   type Unary,
 } from './proto.js';
 import { SessionStream, type SessionStats } from './session.js';
+
+/** After a local lane is lost (or its search failed), how long until the client looks for one again (ms). */
+const LANE_RETRY_MS = 1000;
+/** The deadline of the Health call that looks for a holder's local lane (ms). */
+const LANE_HEALTH_TIMEOUT_MS = 5000;
 
 /** Default {@link LockClientOptions.sessionIdleMs}. */
 const DEFAULT_SESSION_IDLE_MS = 1000;
@@ -86,6 +92,16 @@ export interface LockClientOptions {
   readonly session?: boolean;
   /** End a holder's Session stream after this long with no call in flight (ms, default 1000). */
   readonly sessionIdleMs?: number;
+  /**
+   * Send the Session messages to a holder on this host over its local lane (Linux, default
+   * true): on the first call to a holder the client asks its `Health`; when the holder offers
+   * a lane (an abstract Unix socket, see `LockServerOptions.localLane`) and this process can
+   * reach it (the same host and network namespace), the next calls go over it instead of
+   * gRPC: the same messages, answers, deadlines and errors, about half the round trip. A lane
+   * that ends sends the calls back to gRPC (the calls in flight on it fail UNAVAILABLE, as on a
+   * lost stream) and the client looks for a lane again a second later. Needs `session`.
+   */
+  readonly localLane?: boolean;
   /** Where to register metrics (default: a private Registry, see `registry`). */
   readonly registry?: Registry;
   /** Metric name prefix (default `tensorwire_lock_client_`). */
@@ -443,6 +459,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   readonly #metadata: grpc.Metadata;
   readonly #channels = new Map<string, LockServiceClient>();
   readonly #sessions = new Map<string, SessionStream>();
+  /** Per holder: the local lane search (see {@link LockClientOptions.localLane}). */
+  readonly #laneSearch = new Map<string, { searching: boolean; retryAt: number }>();
   readonly #records = new Set<LeaseRecord>();
   readonly #pending = new Set<Promise<unknown>>();
   /** Cancels for acquires in flight (close abandons them). */
@@ -684,10 +702,43 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     let s = this.#sessions.get(holder);
     if (s === undefined) {
       const c = this.#channel(holder);
-      s = new SessionStream(() => c.Session(this.#metadata.clone()), loadLockProtocol().codec, this.#opts.sessionIdleMs ?? DEFAULT_SESSION_IDLE_MS);
+      const search = { searching: false, retryAt: 0 };
+      s = new SessionStream(() => c.Session(this.#metadata.clone()), loadLockProtocol().codec, this.#opts.sessionIdleMs ?? DEFAULT_SESSION_IDLE_MS, () => {
+        search.retryAt = now() + LANE_RETRY_MS;
+      });
       this.#sessions.set(holder, s);
+      this.#laneSearch.set(holder, search);
     }
-    return s.unsupported ? undefined : s;
+    if (s.unsupported) return undefined;
+    const search = this.#laneSearch.get(holder);
+    if (search !== undefined && !search.searching && search.retryAt <= now() && this.#opts.localLane !== false && LANE_SUPPORTED && !this.#isClosing) {
+      search.searching = true;
+      search.retryAt = Number.POSITIVE_INFINITY; // until the lane is lost
+      this.#findLane(holder, s, search);
+    }
+    return s;
+  }
+
+  /**
+   * Ask the holder's Health for its local lane (over the Session stream) and, when it has one,
+   * make the session use it. Nothing happens when it has none (or Health fails: the search is
+   * tried again later), and nothing waits for this.
+   */
+  #findLane(holder: string, s: SessionStream, search: { searching: boolean; retryAt: number }): void {
+    const authorization = this.#metadata.get(AUTH_METADATA_KEY)[0];
+    this.#call<HealthResponseMsg>(holder, 'health', 'Health', {}, LANE_HEALTH_TIMEOUT_MS, this.#closeController.signal).then(
+      (h) => {
+        search.searching = false;
+        const name = h.localLane;
+        if (name === undefined || name === '' || !/^[A-Za-z0-9._-]{1,100}$/.test(name) || this.#isClosing) return;
+        const codec = loadLockProtocol().codec;
+        s.useLane(() => new LaneDuplex(name, h.holderId, typeof authorization === 'string' ? authorization : '', codec));
+      },
+      () => {
+        search.searching = false;
+        search.retryAt = now() + LANE_RETRY_MS;
+      },
+    );
   }
 
   /**

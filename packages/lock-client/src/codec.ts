@@ -125,6 +125,7 @@ interface RawHealthResponse {
   lockTimeoutMs: number;
   activeSessions: U64;
   activeBlocks: U64;
+  localLane: string;
 }
 
 /** Bytes of `v` as a protobuf varint. */
@@ -455,6 +456,7 @@ export function createLockCodec(protoPath: string): LockCodec {
           lockTimeoutMs: r.lockTimeoutMs,
           activeSessions: u64(r.activeSessions),
           activeBlocks: u64(r.activeBlocks),
+          localLane: r.localLane,
         };
       },
     },

@@ -95,6 +95,8 @@ export interface HealthResponseMsg {
   lockTimeoutMs: number;
   activeSessions: number;
   activeBlocks: number;
+  /** The name of the holder's local lane (the LockClient option `localLane`); '' (or absent, from an older holder) when it offers none. */
+  localLane?: string;
 }
 
 /** One call of a `Session` stream: `payload` is the request of unary `method`, encoded. */

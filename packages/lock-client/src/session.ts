@@ -34,7 +34,18 @@ import { RETRY_AFTER_METADATA_KEY } from './proto.js';
 /** How a call ends: the unary callback's shape. */
 export type SessionCallback = (error: grpc.ServiceError | null, response?: unknown) => void;
 
-type Duplex = grpc.ClientDuplexStream<SessionRequestMsg, SessionResponseMsg>;
+/**
+ * What a session uses of its stream: a gRPC `Session` call, or a local lane (lane.ts). Events:
+ * 'data' (an answer), 'status' (the end, with its code), 'error'.
+ */
+export interface SessionDuplex {
+  write(m: SessionRequestMsg): unknown;
+  cancel(): void;
+  on(event: 'data', listener: (m: SessionResponseMsg) => void): unknown;
+  on(event: 'status', listener: (s: { code: grpc.status; details: string }) => void): unknown;
+  on(event: 'error', listener: (e: unknown) => void): unknown;
+}
+type Duplex = SessionDuplex;
 
 const MAX_TIMER_MS = 0x7fffffff;
 
@@ -50,6 +61,8 @@ interface Conn {
   readonly stream: Duplex;
   readonly pending: Map<number, Entry>;
   ended: boolean;
+  /** The stream is the holder's local lane (not a gRPC call). */
+  readonly lane: boolean;
 }
 
 /** A `grpc.ServiceError` for a status (what grpc-js hands a unary callback). */
@@ -90,8 +103,12 @@ export interface SessionStats {
   readonly state: 'open' | 'idle' | 'unsupported';
   /** Calls in flight on the open stream. */
   readonly inFlight: number;
-  /** Streams opened so far (a new one after an idle end or a lost stream). */
+  /** Streams opened so far (a new one after an idle end or a lost stream), local lanes included. */
   readonly opened: number;
+  /** The open stream is the holder's local lane rather than a gRPC call. */
+  readonly lane: boolean;
+  /** Of `opened`, the local lanes. */
+  readonly lanesOpened: number;
 }
 
 export class SessionStream {
@@ -105,16 +122,34 @@ export class SessionStream {
   #idleTimer: ReturnType<typeof setTimeout> | undefined;
   #closed = false;
   #opened = 0;
+  #lanesOpened = 0;
+  /** Opens the holder's local lane, once one was found; dropped when a lane is lost. */
+  #lane: (() => Duplex) | undefined;
+  readonly #onLaneLost: () => void;
 
-  /** `open` starts a `Session` call (on the holder's channel, with the client's metadata). */
-  constructor(open: () => Duplex, codec: LockCodec, idleMs: number) {
+  /**
+   * `open` starts a `Session` call (on the holder's channel, with the client's metadata).
+   * `onLaneLost` hears that a local lane ended other than by this side (the calls go to gRPC
+   * again until {@link useLane} is called anew).
+   */
+  constructor(open: () => Duplex, codec: LockCodec, idleMs: number, onLaneLost: () => void = () => undefined) {
     this.#open = open;
     this.#codec = codec;
     this.#idleMs = idleMs;
+    this.#onLaneLost = onLaneLost;
   }
 
   stats(): SessionStats {
-    return { state: this.unsupported ? 'unsupported' : this.#conn !== undefined ? 'open' : 'idle', inFlight: this.#conn?.pending.size ?? 0, opened: this.#opened };
+    return { state: this.unsupported ? 'unsupported' : this.#conn !== undefined ? 'open' : 'idle', inFlight: this.#conn?.pending.size ?? 0, opened: this.#opened, lane: this.#conn?.lane === true, lanesOpened: this.#lanesOpened };
+  }
+
+  /**
+   * From now on, open the holder's local lane instead of a gRPC stream: at once when the open
+   * gRPC stream has no call in flight (it is ended), else when it next has none.
+   */
+  useLane(open: () => Duplex): void {
+    if (this.#closed) return;
+    this.#lane = open;
   }
 
   /**
@@ -164,6 +199,7 @@ export class SessionStream {
   /** End the stream; calls in flight fail CANCELLED. Idempotent. */
   close(): void {
     this.#closed = true;
+    this.#lane = undefined;
     if (this.#idleTimer) clearTimeout(this.#idleTimer);
     this.#idleTimer = undefined;
     const conn = this.#conn;
@@ -176,14 +212,23 @@ export class SessionStream {
   #connection(): Conn {
     if (this.#idleTimer) clearTimeout(this.#idleTimer);
     this.#idleTimer = undefined;
-    if (this.#conn !== undefined) return this.#conn;
-    const stream = this.#open();
+    const current = this.#conn;
+    if (current !== undefined) {
+      if (current.lane || this.#lane === undefined || current.pending.size > 0) return current;
+      // A lane was found and the gRPC stream is idle: end it, the lane takes over.
+      this.#conn = undefined;
+      current.ended = true;
+      current.stream.cancel();
+    }
+    const lane = this.#lane !== undefined;
+    const stream = lane ? (this.#lane as () => Duplex)() : this.#open();
     this.#opened++;
-    const conn: Conn = { stream, pending: new Map(), ended: false };
+    if (lane) this.#lanesOpened++;
+    const conn: Conn = { stream, pending: new Map(), ended: false, lane };
     this.#conn = conn;
     stream.on('data', (m: SessionResponseMsg) => this.#answer(conn, m));
     // The status ends the call, whatever it is ('error' comes with a failure status first).
-    stream.on('status', (s: grpc.StatusObject) => this.#ended(conn, s.code, s.details));
+    stream.on('status', (s: { code: grpc.status; details: string }) => this.#ended(conn, s.code, s.details));
     stream.on('error', (e: unknown) => {
       const code = typeof (e as { code?: unknown }).code === 'number' ? ((e as { code: number }).code as grpc.status) : grpc.status.UNAVAILABLE;
       this.#ended(conn, code, e instanceof Error ? e.message : String(e));
@@ -218,7 +263,13 @@ export class SessionStream {
     if (conn.ended) return;
     conn.ended = true;
     if (this.#conn === conn) this.#conn = undefined;
-    if (code === grpc.status.UNIMPLEMENTED && !this.#closed) {
+    if (conn.lane && !this.#closed) {
+      // The lane is gone (the holder closed or restarted, or it broke the protocol): gRPC
+      // again, and the client may look for a lane anew.
+      this.#lane = undefined;
+      this.#onLaneLost();
+    }
+    if (code === grpc.status.UNIMPLEMENTED && !conn.lane && !this.#closed) {
       // A holder without Session: it read nothing. Everything goes unary from now on.
       this.unsupported = true;
       const entries = [...conn.pending.values()];

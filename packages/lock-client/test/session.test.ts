@@ -107,10 +107,12 @@ function rawSession(address: string): {
   return { send: (m) => stream.write(m), answers, stream };
 }
 
+// These pin the gRPC Session stream, so their clients do not look for a local lane (each
+// would ask the holder's Health once); lane.test.ts has the lane's own tests.
 describe('Session stream', () => {
   it('carries every call of a default client over one stream, to the same handlers; session: false makes them unary', async () => {
     const h = await spiedHolder();
-    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', logger: silentLogger });
     cleanups.push(() => client.close());
     const a = await client.acquire(h.address, ['block:holder1:1', 'block:holder1:2']);
     const b = await client.acquire(h.address, ['block:holder1:3'], { leaseMs: 5000 });
@@ -127,7 +129,7 @@ describe('Session stream', () => {
     expect(client.sessionStats().get(h.address)).toMatchObject({ state: 'open', inFlight: 0, opened: 1 });
     expect(h.lock.counters()).toMatchObject({ acquired: 2, released: 2, active: 0 });
 
-    const unaryClient = new LockClient({ requesterId: 'req2', session: false, logger: silentLogger });
+    const unaryClient = new LockClient({ localLane: false, requesterId: 'req2', session: false, logger: silentLogger });
     cleanups.push(() => unaryClient.close());
     const c = await unaryClient.acquire(h.address, ['block:holder1:4']);
     await c.release();
@@ -186,7 +188,7 @@ describe('Session stream', () => {
           release = () => r([]);
         }),
     });
-    const client = new LockClient({ requesterId: 'req1', logger: silentLogger, releaseTimeoutMs: 300, closeTimeoutMs: 500 });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', logger: silentLogger, releaseTimeoutMs: 300, closeTimeoutMs: 500 });
     cleanups.push(() => client.close());
     const pending = client.acquire(h.address, ['block:holder1:1'], { timeoutMs: 20_000 }).catch((e: unknown) => e);
     await waitFor(() => release !== undefined, 'acquire at the resolver');
@@ -210,7 +212,7 @@ describe('Session stream', () => {
 
   it('ends an idle stream after sessionIdleMs and opens a new one for the next call', async () => {
     const h = await spiedHolder();
-    const client = new LockClient({ requesterId: 'req1', sessionIdleMs: 20, logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', sessionIdleMs: 20, logger: silentLogger });
     cleanups.push(() => client.close());
     await (await client.acquire(h.address, ['block:holder1:1'])).release();
     await waitFor(() => h.streams.ended === 1, 'the idle stream ended');
@@ -224,7 +226,7 @@ describe('Session stream', () => {
     const server = new LockServer({ holderId: 'holder1', lockTimeoutMs: 60_000, logger: silentLogger });
     const port = await server.listen();
     const address = `127.0.0.1:${port}`;
-    const client = new LockClient({ requesterId: 'req1', sessionIdleMs: 60_000, logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', sessionIdleMs: 60_000, logger: silentLogger });
     cleanups.push(() => client.close());
     await (await client.acquire(address, ['block:holder1:1'])).release();
     expect(client.sessionStats().get(address)?.state).toBe('open');
@@ -244,7 +246,7 @@ describe('Session stream', () => {
         realHealth(call, cb);
       };
     });
-    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', logger: silentLogger });
     cleanups.push(() => client.close());
     const g = await client.acquire(address, ['block:holder1:1'], { leaseMs: 5000 });
     await expect(g.renew()).rejects.toMatchObject({ details: { remoteCode: 'UNKNOWN' } });
@@ -259,7 +261,7 @@ describe('Session stream', () => {
       // One lease's descriptor is 5 MiB: more than the client's default 4 MiB per message.
       resolve: (ids) => ({ lease: [Buffer.alloc(ids.includes('block:holder1:big') ? 5 << 20 : 8)] }),
     });
-    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', logger: silentLogger });
     cleanups.push(() => client.close());
     const [big, small] = await Promise.all([
       client.acquire(h.address, ['block:holder1:big']).catch((e: unknown) => e),
@@ -306,7 +308,7 @@ describe('Session stream', () => {
 
   it('a timeout beyond what a timer holds (2^31 ms) does not end the call at once', async () => {
     const h = await spiedHolder();
-    const client = new LockClient({ requesterId: 'req1', logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', logger: silentLogger });
     cleanups.push(() => client.close());
     expect((await client.health(h.address, { timeoutMs: 3e9 })).holderId).toBe('holder1');
     const g = await client.acquire(h.address, ['block:holder1:1'], { timeoutMs: 3e9 });
@@ -317,7 +319,7 @@ describe('Session stream', () => {
 
   it('a call that times out or is aborted leaves nothing in flight on the stream; close() cancels the stream', async () => {
     const h = await spiedHolder();
-    const client = new LockClient({ requesterId: 'req1', sessionIdleMs: 60_000, logger: silentLogger });
+    const client = new LockClient({ localLane: false, requesterId: 'req1', sessionIdleMs: 60_000, logger: silentLogger });
     cleanups.push(() => client.close());
     // A lease first, so the stream is open; then calls the holder does not answer in time.
     const g = await client.acquire(h.address, ['block:holder1:1'], { leaseMs: 5000 });

@@ -114,6 +114,7 @@ const NAMES: Record<KvMethod, (transport: string) => string> = {
   'same-host-read': (t) => `${t}: engine.read`,
   'same-host-leased': (t) => `${t}: client.fetch (lease + range grant + read), disposed (release queued)`,
   'same-host-leased-unary': (t) => `${t}: client.fetch with unary gRPC calls (session: false)`,
+  'same-host-leased-stream': (t) => `${t}: client.fetch with the Session messages on the gRPC stream (localLane: false)`,
   'same-host-leased-ids': (t) => `${t}: client.fetch of the same blocks by id (one string per block)`,
   'same-host-leased-awaited': (t) => `${t}: client.fetch, then await fetch.release() (the holder's answer inside the timed call)`,
   'same-host-leased-alternating': (t) => `${t}: client.fetch (disposed), each right after an engine.read of the same blocks (alternating)`,
@@ -189,7 +190,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
     const methods: KvMethod[] = [];
     for (const l of hello.lanes) methods.push(`${l}-prepared`, `${l}-read`, `${l}-leased`, `${l}-leased-unary`);
     // The lease by id beside the lease by number, on the lane with the goal (same host).
-    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-ids', 'same-host-leased-awaited', 'same-host-leased-alternating', 'same-host-leased-pipelined');
+    if (hello.lanes.includes('same-host')) methods.push('same-host-leased-stream', 'same-host-leased-ids', 'same-host-leased-awaited', 'same-host-leased-alternating', 'same-host-leased-pipelined');
     methods.push('raw', 'memcpy');
     if (hello.lanes.includes('same-host')) methods.push('memcpy-shm');
     if (hello.lanes.length === 0) throw new BenchError(`no engine lane to measure (--transport ${s.transport}): ${hello.notes.join('; ')}`);
@@ -305,9 +306,12 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         // The lease and grant overhead: the whole leased fetch against the same engine.read alone.
         const lg = lane === 'same-host' && c.blockBytes === 64 * KiB && c.sweep !== 'batch' ? 0.8 : undefined;
         ratios.push(ratioRow(ci, c, `${lane} leased/engine.read`, `${lane}-leased`, `${lane}-read`, lg, ' (lease + grant overhead)'));
-        // What the Session stream saves: the same leased fetch with every lease call unary.
-        if (rows.has(`${ci}/${lane}-leased-unary`)) ratios.push(ratioRow(ci, c, `${lane} leased, Session stream/unary calls`, `${lane}-leased`, `${lane}-leased-unary`));
+        // What the Session messages save (over the holder's local lane on one host, else the gRPC
+        // stream): the same leased fetch with every lease call a unary gRPC call.
+        if (rows.has(`${ci}/${lane}-leased-unary`)) ratios.push(ratioRow(ci, c, `${lane} leased, Session (local lane or stream)/unary calls`, `${lane}-leased`, `${lane}-leased-unary`));
         if (lane === 'same-host') {
+          // What the holder's local lane saves: the same leased fetch with the Session messages on the gRPC stream.
+          if (rows.has(`${ci}/same-host-leased-stream`)) ratios.push(ratioRow(ci, c, 'same-host leased, local lane/gRPC stream', 'same-host-leased', 'same-host-leased-stream'));
           // What not waiting for the release's answer saves: the same leased fetch with `await fetch.release()` in the timed call.
           if (rows.has(`${ci}/same-host-leased-awaited`)) ratios.push(ratioRow(ci, c, 'same-host leased, release queued/awaited', 'same-host-leased', 'same-host-leased-awaited'));
           // What naming blocks by number saves: the same leased fetch with one block id string per block.
@@ -432,7 +436,7 @@ export async function kvScenario(ctx: ScenarioContext, s: KvSettings = kvSetting
         const releaseMs = median(split.map((x) => x.releaseMs));
         const confirmMs = median(split.map((x) => x.confirmMs));
         notes.push(
-          `${lane} leased fetch @ ${label(c)}, medians: client.fetch ${fetchMs.toFixed(3)} ms (acquire + grant + read: the bytes are usable), then disposal ${releaseMs.toFixed(3)} ms (queues the release); engine.read alone ${readMs.toFixed(3)} ms (median call of the same round(s)): the lease adds about ${Math.max(0, fetchMs - readMs).toFixed(3)} ms before the bytes are usable (one gRPC round trip on the Session stream); the holder confirmed each release ${confirmMs.toFixed(3)} ms after client.fetch returned, outside the timed calls`,
+          `${lane} leased fetch @ ${label(c)}, medians: client.fetch ${fetchMs.toFixed(3)} ms (acquire + grant + read: the bytes are usable), then disposal ${releaseMs.toFixed(3)} ms (queues the release); engine.read alone ${readMs.toFixed(3)} ms (median call of the same round(s)): the lease adds about ${Math.max(0, fetchMs - readMs).toFixed(3)} ms before the bytes are usable (one round trip of the Session messages: over the holder's local lane on one host, see the warm-up note, else the gRPC stream); the holder confirmed each release ${confirmMs.toFixed(3)} ms after client.fetch returned, outside the timed calls`,
         );
       }
     }

@@ -87,6 +87,8 @@ const lanes = new Map<KvLane, Lane>();
 const client = new LockClient({ requesterId: 'kv-requester', logger: silentLogger });
 /** The same flow with every lease call unary (the way before the Session stream): the baseline of the leased rows. */
 const unaryClient = new LockClient({ requesterId: 'kv-requester-unary', session: false, logger: silentLogger });
+/** The same flow with the Session messages on the gRPC stream even on one host (no local lane): what the lane saves. */
+const streamClient = new LockClient({ requesterId: 'kv-requester-stream', localLane: false, logger: silentLogger });
 const notes: string[] = [];
 
 async function lane(name: KvLane, nodeId: string, transports: TransferEngine['transports']): Promise<void> {
@@ -420,6 +422,8 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
         ? await runLeased(l, offsets, s, fetches, random, client)
         : method.endsWith('leased-unary')
           ? await runLeased(l, offsets, s, fetches, random, unaryClient)
+          : method.endsWith('leased-stream')
+          ? await runLeased(l, offsets, s, fetches, random, streamClient)
           : method.endsWith('leased-ids')
             ? await runLeased(l, offsets, s, fetches, random, client, { byId: true })
             : method.endsWith('leased-awaited')
@@ -500,7 +504,10 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
   for (const [name, l] of lanes) {
     runs.push({ lane: name, l, who: 'Session stream', c: client, n: cycles, byId: false });
     runs.push({ lane: name, l, who: 'unary calls', c: unaryClient, n: Math.ceil(cycles / 2), byId: false });
-    if (name === 'same-host') runs.push({ lane: name, l, who: 'blocks by id', c: client, n: Math.ceil(cycles / 4), byId: true });
+    if (name === 'same-host') {
+      runs.push({ lane: name, l, who: 'gRPC Session stream (no local lane)', c: streamClient, n: Math.ceil(cycles / 2), byId: false });
+      runs.push({ lane: name, l, who: 'blocks by id', c: client, n: Math.ceil(cycles / 4), byId: true });
+    }
   }
   const slots = Math.floor(cfg.regionBytes / blockBytes);
   for (const r of runs) {
@@ -526,7 +533,9 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
     await settle();
     // Like every leased method's: each release confirmed by the holder, none left to its GC.
     if (unconfirmed > 0) throw new Error(`lease path warm-up: ${unconfirmed} of ${r.n} releases (${r.lane}, ${r.who}) were not confirmed`);
-    rows.push(`${r.lane} ${r.who}: ${r.n} fetches, ${warmupTrend(times)}`);
+    const st = r.c.sessionStats().get(cfg.lockAddress);
+    const via = st === undefined ? '' : st.lanesOpened > 0 ? " (over the holder's local lane)" : ' (over gRPC)';
+    rows.push(`${r.lane} ${r.who}${via}: ${r.n} fetches, ${warmupTrend(times)}`);
   }
   return { ms: nowMs() - t0, fetches, rows };
 }
@@ -535,7 +544,7 @@ ipc.onMessage((m) => {
   const run = async (): Promise<void> => {
     if (m['type'] === 'stop') {
       rawSocket?.destroy();
-      await Promise.all([client.close(), unaryClient.close()]);
+      await Promise.all([client.close(), unaryClient.close(), streamClient.close()]);
       await Promise.allSettled([...lanes.values()].map((l) => l.engine.close()));
       process.exit(0);
     }

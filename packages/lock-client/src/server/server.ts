@@ -2,11 +2,13 @@
  * The holder side: a gRPC LockService over a {@link LeaseTable}, with the expiry GC,
  * optional shared-token authentication and TLS, prom-client metrics and graceful shutdown.
  */
-import { createHash, timingSafeEqual } from 'node:crypto';
+import { createHash, randomBytes, timingSafeEqual } from 'node:crypto';
+import { createServer as createNetServer, type Server as NetServer, type Socket } from 'node:net';
 import * as grpc from '@grpc/grpc-js';
 import { InvalidInputError, ResourceExhaustedError, ownerProblem, silentLogger, type Logger } from '@tensorwire/core';
 import { Registry } from 'prom-client';
 import { LeaseError, type LeaseStatus } from '../errors.js';
+import { LANE_MAX_FRAME_BYTES, LANE_SUPPORTED, LaneFrames, laneAddress, laneFrame } from '../lane.js';
 import {
   AUTH_METADATA_KEY,
   RETRY_AFTER_METADATA_KEY,
@@ -30,6 +32,7 @@ import {
 import { isLockMethod, methodCodecs } from '../session.js';
 import { ExpiryScheduler, type Timers } from './expiry.js';
 import { LeaseTable, type LeaseCounters, type LeaseEndReason, type LeaseInfo, type LeaseTableOptions } from './lease-table.js';
+import { LaneServerStream } from './lane.js';
 import { DEFAULT_SERVER_METRICS_PREFIX, registerServerMetrics } from './metrics.js';
 
 /** One block's transfer descriptors: opaque bytes, one per transport the holder serves. */
@@ -82,6 +85,17 @@ export interface LockServerOptions extends Omit<LeaseTableOptions, 'onEnd' | 'on
   readonly retryAfterMs?: number;
   /** Entries in one ReleaseMany / RenewMany at most; more → RESOURCE_EXHAUSTED (default 8192). */
   readonly maxBatchEntries?: number;
+  /**
+   * Offer a local lane (Linux): `listen()` also binds an abstract Unix socket with a random
+   * name, announced in `Health` (`localLane`), over which requesters on this host send the
+   * `Session` messages without gRPC (see `LockClientOptions.localLane`). Same handlers, auth
+   * (the hello carries the requester's authorization value), limits and answers. Default:
+   * on when `listen()` is given insecure credentials, off with TLS (the lane has no TLS, so it
+   * is never offered beside it); `false` turns it off.
+   */
+  readonly localLane?: boolean;
+  /** Local lane connections open at once at most (default 1024); more are closed at once. */
+  readonly maxLaneConnections?: number;
 }
 
 export interface CloseOptions {
@@ -107,6 +121,8 @@ export interface LockServerCounters extends LeaseCounters {
 }
 
 const DEFAULT_MAX_CONCURRENT_CALLS = 1024;
+/** How long a local lane connection may take to send its hello. */
+const LANE_HELLO_MS = 5000;
 const DEFAULT_MAX_BATCH_ENTRIES = 8192;
 
 /** The caller's deadline as Unix ms (Infinity when none). */
@@ -162,6 +178,11 @@ export class LockServer implements AsyncDisposable {
   readonly #sessions = new Set<() => void>();
   #state: 'idle' | 'serving' | 'draining' | 'closed' = 'idle';
   #port = 0;
+  /** The service implementation registered on the gRPC server; the local lane dispatches to it too. */
+  readonly #handlers: grpc.UntypedServiceImplementation;
+  readonly #laneEnabled: boolean | undefined;
+  readonly #maxLaneConnections: number;
+  #lane: { readonly name: string; readonly server: NetServer; readonly sockets: Set<Socket> } | undefined;
   #closing: Promise<void> | undefined;
 
   constructor(options: LockServerOptions) {
@@ -203,7 +224,22 @@ export class LockServer implements AsyncDisposable {
     this.#observeBatch = metrics.observeBatch;
     this.#unregisterMetrics = metrics.unregister;
     this.#server = new grpc.Server(options.grpcOptions);
-    this.#server.addService(loadLockProtocol().service, this.handlers());
+    this.#handlers = this.handlers();
+    this.#server.addService(loadLockProtocol().service, this.#handlers);
+    this.#laneEnabled = options.localLane;
+    this.#maxLaneConnections = options.maxLaneConnections ?? 1024;
+    if (!(Number.isSafeInteger(this.#maxLaneConnections) && this.#maxLaneConnections >= 1)) {
+      throw new InvalidInputError(`maxLaneConnections must be a positive integer, got ${String(options.maxLaneConnections)}`);
+    }
+    const maxReceive = options.grpcOptions?.['grpc.max_receive_message_length'];
+    this.#laneMaxFrame = typeof maxReceive === 'number' && maxReceive > 0 ? maxReceive : LANE_MAX_FRAME_BYTES;
+  }
+
+  readonly #laneMaxFrame: number;
+
+  /** The name of the local lane's abstract socket while it is offered (see {@link LockServerOptions.localLane}). */
+  get localLane(): string | undefined {
+    return this.#lane?.name;
   }
 
   /** The bound port (after `listen`). */
@@ -229,6 +265,7 @@ export class LockServer implements AsyncDisposable {
     this.#port = await new Promise<number>((resolve, reject) => {
       this.#server.bindAsync(address, credentials, (err, port) => (err ? reject(err) : resolve(port)));
     });
+    if (this.#laneEnabled !== false && LANE_SUPPORTED && !credentials._isSecure()) await this.#listenLane();
     this.#state = 'serving';
     this.gc.start();
     return this.#port;
@@ -298,7 +335,7 @@ export class LockServer implements AsyncDisposable {
    * not buffered here. A requester that half-closes still gets every answer: the stream ends
    * once the last one is written. At shutdown the stream ends at once.
    */
-  #session(stream: grpc.ServerDuplexStream<SessionRequestMsg, SessionResponseMsg>, handlers: grpc.UntypedServiceImplementation): void {
+  #session(stream: grpc.ServerDuplexStream<SessionRequestMsg, SessionResponseMsg> | LaneServerStream, handlers: grpc.UntypedServiceImplementation): void {
     const { codec } = loadLockProtocol();
     let ended = false;
     let paused = false;
@@ -690,6 +727,86 @@ export class LockServer implements AsyncDisposable {
       lockTimeoutMs: this.table.lockTimeoutMs,
       activeSessions: c.active,
       activeBlocks: c.activeBlocks,
+      localLane: this.#lane?.name ?? '',
+    });
+  }
+
+  /** Bind the local lane's abstract socket (a random name) and serve it. */
+  async #listenLane(): Promise<void> {
+    const name = `tensorwire-lock-${randomBytes(16).toString('hex')}`;
+    const sockets = new Set<Socket>();
+    const server = createNetServer((socket) => this.#acceptLane(socket, sockets));
+    server.maxConnections = this.#maxLaneConnections;
+    server.on('error', (e) => this.#logger.warn('lock: local lane listener error', { error: String(e) }));
+    try {
+      await new Promise<void>((resolve, reject) => {
+        server.once('error', reject);
+        server.listen(laneAddress(name), () => {
+          server.off('error', reject);
+          resolve();
+        });
+      });
+    } catch (e) {
+      // No lane then: requesters use gRPC, as with a holder that offers none.
+      this.#logger.warn('lock: the local lane could not be bound; requesters use gRPC', { error: String(e) });
+      return;
+    }
+    server.unref();
+    this.#lane = { name, server, sockets };
+  }
+
+  /**
+   * One lane connection: its first frame must be the hello (id 0, no method, the
+   * authorization value as payload) within 5 s; then each frame is a Session message, served
+   * by {@link #session} exactly as over gRPC. Any protocol error closes the socket.
+   */
+  #acceptLane(socket: Socket, sockets: Set<Socket>): void {
+    if (this.#state !== 'serving') {
+      socket.destroy();
+      return;
+    }
+    sockets.add(socket);
+    socket.on('close', () => sockets.delete(socket));
+    socket.on('error', () => undefined);
+    const { codec } = loadLockProtocol();
+    const frames = new LaneFrames(this.#laneMaxFrame);
+    let stream: LaneServerStream | undefined;
+    const hello = setTimeout(() => socket.destroy(), LANE_HELLO_MS);
+    hello.unref();
+    socket.on('close', () => clearTimeout(hello));
+    socket.on('data', (chunk: Buffer) => {
+      let got: Buffer[];
+      try {
+        got = frames.push(chunk);
+      } catch {
+        socket.destroy();
+        return;
+      }
+      for (const f of got) {
+        if (socket.destroyed) return;
+        let m: SessionRequestMsg;
+        try {
+          m = codec.SessionRequest.decode(f);
+        } catch {
+          socket.destroy();
+          return;
+        }
+        if (stream !== undefined) {
+          stream.emit('data', m);
+          continue;
+        }
+        if (m.id !== 0 || m.method !== '') {
+          socket.destroy();
+          return;
+        }
+        clearTimeout(hello);
+        const metadata = new grpc.Metadata();
+        const auth = m.payload.toString('utf8');
+        if (auth !== '') metadata.set(AUTH_METADATA_KEY, auth);
+        stream = new LaneServerStream(socket, metadata, codec, 'local-lane');
+        socket.write(laneFrame(codec.SessionResponse.encode({ id: 0, code: grpc.status.OK, details: this.holderId, payload: EMPTY_PAYLOAD })));
+        this.#session(stream, this.#handlers);
+      }
     });
   }
 
@@ -727,6 +844,13 @@ export class LockServer implements AsyncDisposable {
     const revoked = this.table.revokeAll();
     if (revoked > 0) this.#logger.warn('lock: revoked leases at shutdown', { revoked });
     for (const end of [...this.#sessions]) end();
+    const lane = this.#lane;
+    this.#lane = undefined;
+    if (lane !== undefined) {
+      lane.server.close();
+      // Sessions were ended above; what is left is half-way through its hello.
+      for (const s of lane.sockets) s.destroy();
+    }
     await new Promise<void>((resolve) => {
       const force = setTimeout(() => {
         this.#server.forceShutdown();
