@@ -148,6 +148,8 @@ export class LaneDuplex extends EventEmitter {
     if (this.#ended) return;
     this.#ended = true;
     this.#socket.destroy();
-    this.emit('status', { code, details, metadata: undefined });
+    // On a later tick, as grpc-js reports a stream's end: a caller that cancels and then fails
+    // its calls itself (the client's close) sees its own failure first.
+    process.nextTick(() => this.emit('status', { code, details }));
   }
 }

@@ -121,6 +121,7 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
       }],
       ['a first frame that is not a hello', (raw) => raw.send(acquire(1, 'block:holder1:1'))],
       ['a hello with an id', (raw) => raw.send({ ...hello(), id: 7 })],
+      ['a hello whose authorization is no header value', (raw) => raw.send(hello('Bearer \u0000\n'))],
       ['a frame that does not decode', (raw) => raw.socket.write(laneFrame(Uint8Array.of(0xff, 0xff, 0xff)))],
       ['a message that does not decode after the hello', (raw) => {
         raw.send(hello());

@@ -505,7 +505,7 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
     runs.push({ lane: name, l, who: 'Session stream', c: client, n: cycles, byId: false });
     runs.push({ lane: name, l, who: 'unary calls', c: unaryClient, n: Math.ceil(cycles / 2), byId: false });
     if (name === 'same-host') {
-      runs.push({ lane: name, l, who: 'gRPC Session stream (no local lane)', c: streamClient, n: Math.ceil(cycles / 2), byId: false });
+      runs.push({ lane: name, l, who: 'Session stream with localLane: false', c: streamClient, n: Math.ceil(cycles / 2), byId: false });
       runs.push({ lane: name, l, who: 'blocks by id', c: client, n: Math.ceil(cycles / 4), byId: true });
     }
   }

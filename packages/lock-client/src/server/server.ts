@@ -802,7 +802,13 @@ export class LockServer implements AsyncDisposable {
         clearTimeout(hello);
         const metadata = new grpc.Metadata();
         const auth = m.payload.toString('utf8');
-        if (auth !== '') metadata.set(AUTH_METADATA_KEY, auth);
+        try {
+          // grpc-js refuses a value it could not send as a header (a protocol error here).
+          if (auth !== '') metadata.set(AUTH_METADATA_KEY, auth);
+        } catch {
+          socket.destroy();
+          return;
+        }
         stream = new LaneServerStream(socket, metadata, codec, 'local-lane');
         socket.write(laneFrame(codec.SessionResponse.encode({ id: 0, code: grpc.status.OK, details: this.holderId, payload: EMPTY_PAYLOAD })));
         this.#session(stream, this.#handlers);
