@@ -201,7 +201,7 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
     const res = out.results[0]!;
     expect(res.measurements.some((m) => m.role === 'baseline')).toBe(true);
     // Round trips back to back, after 5 ms of computing, after 5 ms idle: one run of 10 each.
-    for (const call of ['lock acquire+release (4 blocks)', 'raw @grpc/grpc-js unary echo ×2']) {
+    for (const call of ['lock acquire+release (4 blocks)', 'lock acquire+release (4 blocks) on the gRPC Session stream (localLane: false)', 'raw @grpc/grpc-js unary echo ×2']) {
       for (const pause of ['back to back', 'after 5 ms of computing', 'after 5 ms idle']) {
         const row = res.measurements.find((m) => m.name === `${call}, ${pause}`);
         expect(row?.latency?.count, `${call}, ${pause}`).toBe(10);
@@ -213,6 +213,11 @@ describe('bench scenarios (smoke, tiny sizes)', () => {
         expect(Number.isFinite(r?.value)).toBe(true);
       }
     }
+    for (const pause of ['back to back', 'after 5 ms of computing', 'after 5 ms idle']) {
+      const r = res.ratios.find((x) => x.name === `lock cycle, local lane/gRPC stream, ${pause} (median cycle)`);
+      expect(r?.value, pause).toBeGreaterThan(0);
+    }
+    expect(res.notes.some((n) => n.startsWith("lock cycles' calls: over the holder's local lane ("))).toBe(true);
     const c = res.counters!;
     expect(c['acquired']).toBe(c['released']! + c['expired']! + c['active']!);
     expect(c['expired']).toBeGreaterThan(0);

@@ -77,6 +77,8 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
   const notes: string[] = [];
   const workers: Worker[] = [];
   let client: LockClient | undefined;
+  /** The same lock cycles with the Session messages on the gRPC stream (no local lane), for the pause rows. */
+  let streamClient: LockClient | undefined;
   let echo: EchoClient | undefined;
   try {
     const holderW = spawnWorker('locks-holder', [String(lockTimeoutMs)]);
@@ -84,6 +86,7 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
     const { lockPort, echoPort } = await holderW.next<{ lockPort: number; echoPort: number }>((m) => m['type'] === 'listening', signal);
     const holder = `127.0.0.1:${lockPort}`;
     client = new LockClient({ requesterId: 'bench' });
+    streamClient = new LockClient({ requesterId: 'bench-stream', localLane: false });
     const Echo = grpc.makeGenericClientConstructor(ECHO_SERVICE, 'Echo') as unknown as new (a: string, c: grpc.ChannelCredentials) => EchoClient;
     echo = new Echo(`127.0.0.1:${echoPort}`, grpc.credentials.createInsecure());
     const echoClient = echo;
@@ -99,9 +102,9 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
 
     let verificationFailures = 0;
     let blockSeq = 0;
-    const lockCycle = async (): Promise<void> => {
+    const lockCycle = async (by: LockClient = client as LockClient): Promise<void> => {
       const ids = Array.from({ length: blocksPerLease }, () => `block:benchholder:${blockSeq++ % 100_000}`);
-      const guard = await (client as LockClient).acquire(holder, ids, { signal });
+      const guard = await by.acquire(holder, ids, { signal });
       try {
         for (const id of ids) {
           const d = guard.descriptorsFor(id)[0];
@@ -118,9 +121,11 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
     };
 
     // Warm both paths (connections, JIT).
+    const viaStream = streamClient;
     for (let i = 0; i < warmup; i++) {
       await echoPair();
       await lockCycle();
+      await lockCycle(viaStream);
     }
     const lockSamples: number[] = [];
     const echoSamples: number[] = [];
@@ -152,18 +157,23 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
     // What a pause before a round trip costs on this host: the same lock cycle and echo pair
     // right after the previous one, after GAP_MS of this process computing (the holder idle, as
     // during a same-host copy), and after GAP_MS of both processes idle.
-    const gapSamples: Record<GapKind, { lock: number[]; echo: number[] }> = { none: { lock: [], echo: [] }, busy: { lock: [], echo: [] }, idle: { lock: [], echo: [] } };
+    const gapSamples: Record<GapKind, { lock: number[]; stream: number[]; echo: number[] }> = {
+      none: { lock: [], stream: [], echo: [] },
+      busy: { lock: [], stream: [], echo: [] },
+      idle: { lock: [], stream: [], echo: [] },
+    };
     // Runs of GAP_RUN cycles of one kind (the first of each run, which follows another kind, not
     // kept), the kinds and the two calls rotating run by run.
     const gapRuns = ctx.quick ? 1 : 30;
     for (let i = 0; i < gapRuns; i++) {
       for (const kind of GAP_KINDS) {
-        for (const what of ['lock', 'echo'] as const) {
+        for (const what of ['lock', 'stream', 'echo'] as const) {
           if (signal.aborted) throw new BenchError('aborted');
           for (let k = 0; k <= GAP_RUN; k++) {
             await gap(kind);
             const t0 = nowMs();
             if (what === 'lock') await lockCycle();
+            else if (what === 'stream') await lockCycle(viaStream);
             else await echoPair();
             if (k > 0) gapSamples[kind][what].push(nowMs() - t0);
           }
@@ -171,6 +181,8 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
       }
     }
     const gapCycles = gapRuns * GAP_RUN;
+    const session = client.sessionStats().get(holder);
+    if (session !== undefined) notes.push(`lock cycles' calls: ${session.lanesOpened > 0 ? `over the holder's local lane (${session.lanesOpened} of ${session.opened} streams opened)` : 'over the gRPC Session stream'}`);
 
     // Fault injection: requesters SIGKILLed while they hold leases.
     const victimWorkers: Worker[] = [];
@@ -241,8 +253,10 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
         pass: ratio >= GOAL,
       },
     ];
-    for (const what of ['lock', 'echo'] as const) {
-      const label = what === 'lock' ? `lock acquire+release (${blocksPerLease} blocks)` : 'raw @grpc/grpc-js unary echo ×2';
+    const lockLabel = `lock acquire+release (${blocksPerLease} blocks)`;
+    const streamLabel = `${lockLabel} on the gRPC Session stream (localLane: false)`;
+    for (const what of ['lock', 'stream', 'echo'] as const) {
+      const label = what === 'lock' ? lockLabel : what === 'stream' ? streamLabel : 'raw @grpc/grpc-js unary echo ×2';
       for (const kind of GAP_KINDS) {
         measurements.push({ name: `${label}, ${GAP_NAMES[kind]}`, role: kind === 'none' ? 'baseline' : 'subject', latency: summarize(gapSamples[kind][what]), extra: { gapMs: kind === 'none' ? 0 : GAP_MS, cycles: gapSamples[kind][what].length } });
       }
@@ -252,9 +266,13 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
         ratios.push({ name: `${label}: back to back / ${GAP_NAMES[kind]} (median cycle)`, subject: `${label}, ${GAP_NAMES.none}`, baseline: `${label}, ${GAP_NAMES[kind]}`, value: p50('none') / p50(kind) });
       }
     }
+    // What the holder's local lane saves, per pause: the stream's median cycle over the lane's.
+    for (const kind of GAP_KINDS) {
+      ratios.push({ name: `lock cycle, local lane/gRPC stream, ${GAP_NAMES[kind]} (median cycle)`, subject: `${lockLabel}, ${GAP_NAMES[kind]}`, baseline: `${streamLabel}, ${GAP_NAMES[kind]}`, value: median(gapSamples[kind].stream) / median(gapSamples[kind].lock) });
+    }
     notes.push(
       `holder in a child process, lock timeout ${lockTimeoutMs} ms; one request in flight; ${rounds} interleaved rounds of ${perRound}`,
-      `pauses: ${gapCycles} cycles of each kind, in runs of ${GAP_RUN} that rotate kinds (lock cycle and echo pair each right after the previous call, after ${GAP_MS} ms of this process spinning on the clock while the holder waits, as during a same-host copy, and after a ${GAP_MS} ms timer with both idle); medians per cycle: lock ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].lock).toFixed(3)}`).join(', ')} ms; echo pair ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].echo).toFixed(3)}`).join(', ')} ms. What a round trip costs after a pause (caches, branch predictors and, on a VM, a halted virtual CPU) is what a lease pays after a fetch's read`,
+      `pauses: ${gapCycles} cycles of each kind, in runs of ${GAP_RUN} that rotate kinds (lock cycle and echo pair each right after the previous call, after ${GAP_MS} ms of this process spinning on the clock while the holder waits, as during a same-host copy, and after a ${GAP_MS} ms timer with both idle); medians per cycle: lock ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].lock).toFixed(3)}`).join(', ')} ms; lock on the gRPC stream ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].stream).toFixed(3)}`).join(', ')} ms; echo pair ${GAP_KINDS.map((k) => `${k} ${median(gapSamples[k].echo).toFixed(3)}`).join(', ')} ms. What a round trip costs after a pause (caches, branch predictors and, on a VM, a halted virtual CPU) is what a lease pays after a fetch's read`,
       `fault injection: ${victims} requester processes SIGKILLed mid-lease; GC expired them ${Math.round(gcWaitMs)} ms after the kill (before: ${beforeKill.active} active)`,
       `holder counters: acquired ${after.acquired} = released ${after.released} + expired ${after.expired} + active ${after.active} → ${balanced ? 'balanced' : 'NOT BALANCED'}`,
     );
@@ -282,6 +300,7 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
   } finally {
     echo?.close();
     await client?.close();
+    await streamClient?.close();
     for (const w of workers) w.kill();
     await Promise.all(workers.map((w) => w.exited));
   }
