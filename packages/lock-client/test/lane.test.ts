@@ -46,8 +46,8 @@ function client(opts: Partial<ConstructorParameters<typeof LockClient>[0]> = {})
 }
 
 /** A raw lane connection: frames out, answers in, and whether the holder closed it. */
-function rawLane(name: string): { socket: Socket; send(m: SessionRequestMsg): void; answers: SessionResponseMsg[]; closed: Promise<unknown> } {
-  const socket = createConnection({ path: laneAddress(name) });
+function rawLane(name: string, allowHalfOpen = false): { socket: Socket; send(m: SessionRequestMsg): void; answers: SessionResponseMsg[]; closed: Promise<unknown> } {
+  const socket = createConnection({ path: laneAddress(name), allowHalfOpen });
   const frames = new LaneFrames(1 << 20);
   const answers: SessionResponseMsg[] = [];
   socket.on('data', (chunk: Buffer) => {
@@ -151,6 +151,36 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     await (await c.acquire(h.address, ['block:holder1:1'])).release();
     expect(c.sessionStats().get(h.address)?.lane).toBe(true);
     expect(h.server.counters()).toMatchObject({ acquired: 2, released: 2, active: 0 });
+  });
+
+  it('close() and abort() end the lane: its sockets are destroyed (also one that never closes its side) and no new one is accepted', async () => {
+    for (const stop of ['close', 'abort'] as const) {
+      const server = new LockServer({ holderId: 'holder1', lockTimeoutMs: 30_000, logger: silentLogger });
+      await server.listen('127.0.0.1:0');
+      const name = server.localLane as string;
+      // Half-closed by the holder and never closed by this side: still destroyed.
+      const served = rawLane(name, true);
+      served.send(hello());
+      await waitFor(() => served.answers.length === 1, 'the hello answered');
+      const greeting = rawLane(name); // never says hello
+      await new Promise((r) => setTimeout(r, 20));
+      const ended = new Promise((resolve) => served.socket.once('end', resolve));
+      if (stop === 'close') await server.close({ graceMs: 0 });
+      else await server.abort();
+      await greeting.closed;
+      // The holder's side is gone, not just half-closed: writing to it fails (EPIPE / reset).
+      await ended;
+      const failed = new Promise((resolve) => served.socket.once('error', resolve));
+      for (let i = 0; i < 200 && !served.socket.destroyed; i++) {
+        served.send(hello());
+        await new Promise((r) => setTimeout(r, 10));
+      }
+      await failed;
+      expect(server.localLane).toBeUndefined();
+      const late = rawLane(name);
+      await late.closed;
+      expect(late.answers).toEqual([]);
+    }
   });
 
   it("the client refuses a lane whose hello names another holder", async () => {

@@ -850,13 +850,7 @@ export class LockServer implements AsyncDisposable {
     const revoked = this.table.revokeAll();
     if (revoked > 0) this.#logger.warn('lock: revoked leases at shutdown', { revoked });
     for (const end of [...this.#sessions]) end();
-    const lane = this.#lane;
-    this.#lane = undefined;
-    if (lane !== undefined) {
-      lane.server.close();
-      // Sessions were ended above; what is left is half-way through its hello.
-      for (const s of lane.sockets) s.destroy();
-    }
+    this.#lane?.server.close();
     await new Promise<void>((resolve) => {
       const force = setTimeout(() => {
         this.#server.forceShutdown();
@@ -867,7 +861,21 @@ export class LockServer implements AsyncDisposable {
         resolve();
       });
     });
+    this.#closeLane();
     this.#unregisterMetrics();
+  }
+
+  /**
+   * Stop the local lane: no new connections, and every lane socket destroyed (its session was
+   * ended already by a graceful close; a requester that never closes its side, or one half-way
+   * through its hello, must not keep the holder's process alive).
+   */
+  #closeLane(): void {
+    const lane = this.#lane;
+    this.#lane = undefined;
+    if (lane === undefined) return;
+    lane.server.close();
+    for (const socket of lane.sockets) socket.destroy();
   }
 
   /** Stop at once: revoke every lease and drop connections. */
@@ -878,6 +886,7 @@ export class LockServer implements AsyncDisposable {
         this.gc.stop();
         this.table.revokeAll();
         this.#server.forceShutdown();
+        this.#closeLane();
         this.#unregisterMetrics();
       })();
     }
