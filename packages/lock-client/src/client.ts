@@ -39,7 +39,7 @@ import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
 import { HolderLane, type LaneHooks, type LaneStats, type LaneTransport, type ReleaseResult, type RetryBudget } from './holder-lane.js';
 import { blockIdsProblem, numberedBlockIds, type NumberedBlocks } from './ids.js';
-import { LANE_SUPPORTED, LaneDuplex } from './lane.js';
+import { LANE_SUPPORTED, LaneDuplex, probeLane } from './lane.js';
 import { DEFAULT_CLIENT_METRICS_PREFIX, registerClientMetrics, type ClientMetrics, type LockClientCounters } from './metrics.js';
 import {
   AUTH_METADATA_KEY,
@@ -58,10 +58,23 @@ import {
 } from './proto.js';
 import { SessionStream, type SessionStats } from './session.js';
 
-/** After a local lane is lost (or its search failed), how long until the client looks for one again (ms). */
+/** After a local lane is lost, how long until the client looks for one again (ms). */
 const LANE_RETRY_MS = 1000;
+/**
+ * After a search that found no lane this process can use (the holder offers none, it is on
+ * another host, Health failed), the wait before the next search: doubling from
+ * {@link LANE_RETRY_MS} up to this (ms).
+ */
+const LANE_RETRY_MAX_MS = 300_000;
 /** The deadline of the Health call that looks for a holder's local lane (ms). */
 const LANE_HEALTH_TIMEOUT_MS = 5000;
+
+/** Where a holder's local lane search stands: one in flight, when the next may start, and how many found none in a row. */
+interface LaneSearch {
+  searching: boolean;
+  retryAt: number;
+  misses: number;
+}
 
 /** Default {@link LockClientOptions.sessionIdleMs}. */
 const DEFAULT_SESSION_IDLE_MS = 1000;
@@ -96,7 +109,8 @@ export interface LockClientOptions {
    * Send the Session messages to a holder on this host over its local lane (Linux, default
    * true): on the first call to a holder the client asks its `Health`; when the holder offers
    * a lane (an abstract Unix socket, see `LockServerOptions.localLane`) and this process can
-   * reach it (the same host and network namespace), the next calls go over it instead of
+   * reach it (the same host and network namespace: checked by a greeting of its own before any
+   * call goes there; otherwise the search backs off, 1 s doubling to 5 min), the next calls go over it instead of
    * gRPC: the same messages, answers, deadlines and errors, about half the round trip. A lane
    * that ends sends the calls back to gRPC (the calls in flight on it fail UNAVAILABLE, as on a
    * lost stream) and the client looks for a lane again a second later. Needs `session`.
@@ -460,7 +474,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   readonly #channels = new Map<string, LockServiceClient>();
   readonly #sessions = new Map<string, SessionStream>();
   /** Per holder: the local lane search (see {@link LockClientOptions.localLane}). */
-  readonly #laneSearch = new Map<string, { searching: boolean; retryAt: number }>();
+  readonly #laneSearch = new Map<string, LaneSearch>();
   readonly #records = new Set<LeaseRecord>();
   readonly #pending = new Set<Promise<unknown>>();
   /** Cancels for acquires in flight (close abandons them). */
@@ -702,7 +716,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     let s = this.#sessions.get(holder);
     if (s === undefined) {
       const c = this.#channel(holder);
-      const search = { searching: false, retryAt: 0 };
+      const search: LaneSearch = { searching: false, retryAt: 0, misses: 0 };
       s = new SessionStream(() => c.Session(this.#metadata.clone()), loadLockProtocol().codec, this.#opts.sessionIdleMs ?? DEFAULT_SESSION_IDLE_MS, () => {
         search.retryAt = now() + LANE_RETRY_MS;
       });
@@ -720,25 +734,29 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
   }
 
   /**
-   * Ask the holder's Health for its local lane (over the Session stream) and, when it has one,
-   * make the session use it. Nothing happens when it has none (or Health fails: the search is
-   * tried again later), and nothing waits for this.
+   * Ask the holder's Health for its local lane (over the Session stream), check that this
+   * process reaches it (a lane connection greeted by the holder: a holder on another host names
+   * a lane that does not exist here), and only then make the session use it, so no call is
+   * ever sent to a lane that cannot work. When there is none to use, the next search waits
+   * longer each time (1 s doubling to 5 min). Nothing waits for this.
    */
-  #findLane(holder: string, s: SessionStream, search: { searching: boolean; retryAt: number }): void {
-    const authorization = this.#metadata.get(AUTH_METADATA_KEY)[0];
-    this.#call<HealthResponseMsg>(holder, 'health', 'Health', {}, LANE_HEALTH_TIMEOUT_MS, this.#closeController.signal).then(
-      (h) => {
-        search.searching = false;
-        const name = h.localLane;
-        if (name === undefined || name === '' || !/^[A-Za-z0-9._-]{1,100}$/.test(name) || this.#isClosing) return;
-        const codec = loadLockProtocol().codec;
-        s.useLane(() => new LaneDuplex(name, h.holderId, typeof authorization === 'string' ? authorization : '', codec));
-      },
-      () => {
-        search.searching = false;
-        search.retryAt = now() + LANE_RETRY_MS;
-      },
-    );
+  #findLane(holder: string, s: SessionStream, search: LaneSearch): void {
+    const value = this.#metadata.get(AUTH_METADATA_KEY)[0];
+    const authorization = typeof value === 'string' ? value : '';
+    const codec = loadLockProtocol().codec;
+    const miss = (): void => {
+      search.searching = false;
+      search.retryAt = now() + Math.min(LANE_RETRY_MAX_MS, LANE_RETRY_MS * 2 ** search.misses);
+      search.misses = Math.min(search.misses + 1, 30);
+    };
+    this.#call<HealthResponseMsg>(holder, 'health', 'Health', {}, LANE_HEALTH_TIMEOUT_MS, this.#closeController.signal).then(async (h) => {
+      const name = h.localLane;
+      if (name === undefined || name === '' || !/^[A-Za-z0-9._-]{1,100}$/.test(name) || this.#isClosing) return miss();
+      if (!(await probeLane(name, h.holderId, authorization, codec, LANE_HEALTH_TIMEOUT_MS)) || this.#isClosing) return miss();
+      search.searching = false;
+      search.misses = 0;
+      s.useLane(() => new LaneDuplex(name, h.holderId, authorization, codec));
+    }).catch(miss);
   }
 
   /**

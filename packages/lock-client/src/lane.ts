@@ -79,8 +79,9 @@ export function laneAddress(name: string): string {
 /**
  * The requester's end of a lane: what {@link SessionStream} uses of a gRPC duplex stream.
  * `write` sends a call; 'data' is an answer; 'status' ends it ({ code, details }): UNAVAILABLE
- * when the socket closes or breaks the protocol, CANCELLED after `cancel()`. Frames written
- * before the socket connects are queued by the socket. The hello goes first.
+ * when the socket closes or breaks the protocol, CANCELLED after `cancel()`; 'ready' once the
+ * holder answered the hello. Frames written before the socket connects are queued by the
+ * socket. The hello goes first.
  */
 export class LaneDuplex extends EventEmitter {
   readonly #socket: Socket;
@@ -138,6 +139,7 @@ export class LaneDuplex extends EventEmitter {
           return;
         }
         this.#hello = true;
+        this.emit('ready');
         continue;
       }
       this.emit('data', m);
@@ -152,4 +154,26 @@ export class LaneDuplex extends EventEmitter {
     // its calls itself (the client's close) sees its own failure first.
     process.nextTick(() => this.emit('status', { code, details }));
   }
+}
+
+/**
+ * Whether lane `name` of holder `holderId` answers a hello from this process: a lane connection
+ * opened, greeted and closed. False when the name does not exist here (a holder on another host
+ * or in another network namespace names a lane this process cannot reach), the hello is refused
+ * or `timeoutMs` passes.
+ */
+export function probeLane(name: string, holderId: string, authorization: string, codec: LockCodec, timeoutMs: number): Promise<boolean> {
+  return new Promise<boolean>((resolve) => {
+    const d = new LaneDuplex(name, holderId, authorization, codec);
+    const timer = setTimeout(() => finish(false), timeoutMs);
+    timer.unref?.();
+    function finish(ok: boolean): void {
+      clearTimeout(timer);
+      d.removeAllListeners('ready');
+      d.cancel();
+      resolve(ok);
+    }
+    d.once('ready', () => finish(true));
+    d.once('status', () => finish(false));
+  });
 }

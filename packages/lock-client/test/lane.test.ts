@@ -59,6 +59,16 @@ function rawLane(name: string, allowHalfOpen = false): { socket: Socket; send(m:
   return { socket, send: (m) => socket.write(laneFrame(codec.SessionRequest.encode(m))), answers, closed };
 }
 
+/** Health calls until the client's calls to `address` go over the holder's lane (the search, its probe, then the switch). */
+async function onLane(c: LockClient, address: string): Promise<void> {
+  for (let i = 0; i < 300; i++) {
+    await c.health(address);
+    if (c.sessionStats().get(address)?.lane === true) return;
+    await new Promise((r) => setTimeout(r, 10));
+  }
+  throw new Error(`the client never moved to the lane of ${address}`);
+}
+
 const hello = (authorization = ''): SessionRequestMsg => ({ id: 0, method: '', payload: Buffer.from(authorization), timeoutMs: 0 });
 const acquire = (id: number, block: string): SessionRequestMsg => ({
   id,
@@ -75,7 +85,8 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     const c = client();
     const a = await c.acquire(h.address, ['block:holder1:1', 'block:holder1:2']);
     // The first call went over gRPC, with the Health that looks for the lane behind it.
-    await waitFor(() => h.server.counters().requests.health >= 2, 'the lane search');
+    expect(c.sessionStats().get(h.address)).toMatchObject({ lane: false, lanesOpened: 0 });
+    await onLane(c, h.address);
     const b = await c.acquire(h.address, ['block:holder1:3'], { leaseMs: 5000 });
     expect(c.sessionStats().get(h.address)).toMatchObject({ state: 'open', lane: true, opened: 2, lanesOpened: 1 });
     await b.renew({ leaseMs: 8000 });
@@ -95,7 +106,7 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     const h = await holder({ token: 's3cret' });
     const c = client({ token: 's3cret' });
     const g = await c.acquire(h.address, ['block:holder1:1']);
-    await waitFor(() => c.sessionStats().get(h.address)?.lane === true || h.server.counters().requests.health >= 1, 'the lane search');
+    await onLane(c, h.address);
     await (await c.acquire(h.address, ['block:holder1:2'])).release();
     expect(c.sessionStats().get(h.address)?.lane).toBe(true);
     await g.release();
@@ -147,7 +158,7 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     // Still serving, over the lane too.
     const c = client();
     await (await c.acquire(h.address, ['block:holder1:1'])).release();
-    await waitFor(() => h.server.counters().requests.health >= 1, 'the lane search');
+    await onLane(c, h.address);
     await (await c.acquire(h.address, ['block:holder1:1'])).release();
     expect(c.sessionStats().get(h.address)?.lane).toBe(true);
     expect(h.server.counters()).toMatchObject({ acquired: 2, released: 2, active: 0 });
@@ -183,6 +194,40 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     }
   });
 
+  it('a holder whose lane this process cannot reach (another host): no call is ever sent to it, and the search backs off', async () => {
+    // The holder's handlers on a gRPC server of our own, its Health naming a lane that does not exist here.
+    const lock = new LockServer({ holderId: 'far', lockTimeoutMs: 30_000, logger: silentLogger });
+    const handlers = lock.handlers() as unknown as Record<string, (call: unknown, cb: grpc.sendUnaryData<unknown>) => void>;
+    let healths = 0;
+    handlers['Health'] = (_call, cb) => {
+      healths++;
+      cb(null, { status: 'SERVING', holderId: 'far', lockTimeoutMs: 30_000, activeSessions: 0, activeBlocks: 0, localLane: `tensorwire-lock-${'0'.repeat(32)}` });
+    };
+    const server = new grpc.Server();
+    server.addService(loadLockProtocol().service, handlers as unknown as grpc.UntypedServiceImplementation);
+    const port = await new Promise<number>((resolve, reject) => server.bindAsync('127.0.0.1:0', grpc.ServerCredentials.createInsecure(), (e, p) => (e ? reject(e) : resolve(p))));
+    lock.gc.start();
+    cleanups.push(() => {
+      server.forceShutdown();
+      return lock.abort();
+    });
+    const c = client();
+    const address = `127.0.0.1:${port}`;
+    const until = Date.now() + 2500;
+    let cycles = 0;
+    while (Date.now() < until) {
+      await (await c.acquire(address, ['block:far:1'], { timeoutMs: 5000 })).release();
+      cycles++;
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(cycles).toBeGreaterThan(10);
+    expect(c.sessionStats().get(address)).toMatchObject({ lane: false, lanesOpened: 0 });
+    // Searches at about 0, 1 and 3 s: two or three in 2.5 s, not one per call or per second.
+    expect(healths).toBeGreaterThanOrEqual(2);
+    expect(healths).toBeLessThanOrEqual(3);
+    expect(lock.counters()).toMatchObject({ acquired: cycles, released: cycles, active: 0 });
+  });
+
   it("the client refuses a lane whose hello names another holder", async () => {
     const h = await holder();
     const d = new LaneDuplex(h.server.localLane as string, 'someone-else', '', codec);
@@ -195,15 +240,12 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     const h = await holder({ holderId: 'holder1' });
     const c = client();
     await (await c.acquire(h.address, ['block:holder1:1'])).release();
-    await waitFor(() => h.server.counters().requests.health >= 1, 'the lane search');
+    await onLane(c, h.address);
     await (await c.acquire(h.address, ['block:holder1:1'])).release();
     expect(c.sessionStats().get(h.address)?.lane).toBe(true);
     // A holder that never answers an acquire, then goes away.
     const slow = await holder({ holderId: 'holder2', resolve: () => new Promise(() => undefined) });
-    await c.health(slow.address);
-    await waitFor(() => slow.server.counters().requests.health >= 2, 'the lane search on the slow holder');
-    await c.health(slow.address);
-    expect(c.sessionStats().get(slow.address)?.lane).toBe(true);
+    await onLane(c, slow.address);
     const pending = c.acquire(slow.address, ['block:holder2:1'], { timeoutMs: 10_000 }).catch((e: unknown) => e);
     await waitFor(() => slow.server.counters().requests.acquire >= 1, 'the acquire at the holder');
     expect(c.sessionStats().get(slow.address)?.lane).toBe(true);
@@ -224,7 +266,7 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
       await g.release();
       break;
     }
-    await waitFor(() => again.server.counters().requests.health >= 1, 'a new lane search', 50);
+    await onLane(c, again.address);
     await (await c.acquire(again.address, ['block:holder2:1'])).release();
     expect(c.sessionStats().get(again.address)?.lane).toBe(true);
     expect(again.server.counters()).toMatchObject({ released: again.server.counters().acquired, active: 0 });

@@ -761,7 +761,8 @@ export class LockServer implements AsyncDisposable {
    * by {@link #session} exactly as over gRPC. Any protocol error closes the socket.
    */
   #acceptLane(socket: Socket, sockets: Set<Socket>): void {
-    if (this.#state !== 'serving') {
+    // While draining, as over gRPC, releases and renewals still come in.
+    if (this.#state !== 'serving' && this.#state !== 'draining') {
       socket.destroy();
       return;
     }
