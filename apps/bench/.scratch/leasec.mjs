@@ -1,0 +1,25 @@
+// syscall count per leased fetch: run under strace -c -f (both processes)
+import { fork } from 'node:child_process';
+import { TransferEngine, TcpTransport, silentLogger } from '@tensorwire/core';
+import { CudaIpcTransport } from '@tensorwire/cuda-ipc';
+import { LockClient } from '@tensorwire/lock-client';
+import { scatter, rng, kvSpace } from '../dist/kv-shape.js';
+const REGION = 64 * 1024 * 1024; const S = 65536, N = 256;
+const h = fork(new URL('../dist/workers/kv-holder.js', import.meta.url), [String(REGION), '7', '1', String(S)]);
+const hello = await new Promise((r) => h.on('message', (m) => { if (m.endpoint) r(m); }));
+const engine = new TransferEngine({ nodeId: 'req', transports: [new CudaIpcTransport(), new TcpTransport()], logger: silentLogger });
+await engine.start();
+const client = new LockClient({ requesterId: 'r', logger: silentLogger });
+const dest = Buffer.alloc(S * N); const reg = await engine.register({ kind: 'host', buffer: dest });
+const offsets = scatter({ blockBytes: S, layers: 32, blocks: N / 32 }, REGION, rng(1));
+const blocks = { owner: kvSpace(S), numbers: Uint32Array.from(offsets, (o) => o / S) };
+const destinations = Array.from(offsets, (_, i) => ({ local: reg, offset: i * S, length: S }));
+const rel = [];
+const loop = async (n) => { for (let r = 0; r < n; r++) { const f = await client.fetch(engine, hello.lockAddress, blocks, destinations, { timeoutMs: 10000 }); await f[Symbol.asyncDispose](); rel.push(f.release()); } };
+await loop(+(process.env.W ?? 200));
+await Promise.all(rel);
+process.stdout.write('MARK\n');
+h.send({ type: 'noop' });
+await loop(+(process.env.R ?? 0));
+await Promise.all(rel);
+await client.close(); await engine.close(); h.disconnect();
