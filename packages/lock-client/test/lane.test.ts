@@ -7,7 +7,11 @@
  * - Auth travels in the hello: a lane connection whose hello has a wrong token is answered
  *   UNAUTHENTICATED per call, as a gRPC stream with that metadata is.
  * - Protocol errors (a frame over the limit, bytes that do not decode, a first frame that is not
- *   a hello, random bytes) close that connection; the holder goes on serving everyone else.
+ *   a hello, a hello whose authorization is no header value, random bytes) close that
+ *   connection; the holder goes on serving everyone else.
+ * - close() and abort() destroy every lane socket, a half-open one included.
+ * - A holder whose lane this process cannot reach (another host) gets no call over it, and the
+ *   search backs off.
  * - A lane whose hello names another holder is refused by the client (UNAVAILABLE).
  * - The holder going away: calls in flight on the lane fail ConnectionBrokenError, the client
  *   goes back to gRPC and, a second later, finds the new holder's lane.

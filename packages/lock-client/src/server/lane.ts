@@ -11,7 +11,8 @@ import type { SessionResponseMsg } from '../proto.js';
 
 /**
  * Events: 'data' (a SessionRequestMsg, emitted by the acceptor), 'end' (the requester
- * half-closed), 'cancelled' (the socket closed or failed before the stream ended), 'drain'.
+ * half-closed), 'cancelled' (the socket closed, for whatever reason: once the session has
+ * ended it changes nothing), 'drain'.
  */
 export class LaneServerStream extends EventEmitter {
   readonly metadata: grpc.Metadata;

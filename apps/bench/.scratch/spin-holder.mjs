@@ -1,2 +1,0 @@
-if (process.env.HSPIN) { const spin = () => setImmediate(spin); spin(); }
-await import('../dist/workers/kv-holder.js');
