@@ -20,7 +20,7 @@ import { TransferEngine, silentLogger, type Registration } from '@tensorwire/cor
 import { pattern } from '@tensorwire/core/testing/pattern';
 import { LockClient, decodeFetchDescriptor } from '@tensorwire/lock-client';
 import { blockId, blockSeed, decodeRawPort } from './fetch-protocol.js';
-import { gbps, median, nowMs, summarize, warmupTrend } from './stats.js';
+import { gbps, leaseCallPath, median, nowMs, summarize, warmupTrend } from './stats.js';
 import { requesterTransports, type TransportChoice } from './transports.js';
 import type { Measurement, Ratio } from './types.js';
 
@@ -252,8 +252,8 @@ export async function runFetcher(o: FetchOptions): Promise<FetchResult> {
       );
     }
     notes.push(`${fetches} fetches of ${o.blocksPerFetch} random blocks of ${s} bytes over ${(elapsed / 1000).toFixed(1)} s on ${o.lanes} lanes; ${failedFetches} failed`);
-    const session = client.sessionStats().get(o.lockAddress);
-    if (session !== undefined) notes.push(`lease calls: ${session.lanesOpened > 0 ? `over the holder's local lane (${session.lanesOpened} of ${session.opened} streams opened)` : 'over the gRPC Session stream (the holder offered no local lane, or it could not be reached)'}`);
+    const path = leaseCallPath(client.sessionStats().get(o.lockAddress));
+    if (path !== undefined) notes.push(`lease calls: ${path}`);
     return { ...result, measurements, ratios };
   } finally {
     await client.close();

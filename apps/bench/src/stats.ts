@@ -1,3 +1,5 @@
+import type { SessionStats } from '@tensorwire/lock-client';
+
 /** Percentile by nearest rank on a copy of the samples. */
 export function percentile(samples: readonly number[], p: number): number {
   if (samples.length === 0) return Number.NaN;
@@ -28,6 +30,23 @@ export function nowMs(): number {
  */
 export function warmupTrend(timesMs: readonly number[]): string {
   return `median of the first 100 ${median(timesMs.slice(0, 100)).toFixed(3)} ms, of the last 100 ${median(timesMs.slice(-100)).toFixed(3)} ms`;
+}
+
+/** Whether a LockClient's Session to a holder ever opened the holder's local lane (its `sessionStats()` entry). */
+export function usedLocalLane(session: SessionStats): boolean {
+  return session.lanesOpened > 0;
+}
+
+/**
+ * Which path a LockClient's lease calls to a holder took, for a note: `over the holder's local
+ * lane (n of m streams opened)` or `over the gRPC Session stream …`; undefined when the client
+ * made no Session call to it.
+ */
+export function leaseCallPath(session: SessionStats | undefined): string | undefined {
+  if (session === undefined) return undefined;
+  return usedLocalLane(session)
+    ? `over the holder's local lane (${session.lanesOpened} of ${session.opened} streams opened)`
+    : 'over the gRPC Session stream (the holder offered no local lane, or it could not be reached)';
 }
 
 /**

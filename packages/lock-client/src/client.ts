@@ -725,7 +725,9 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     }
     if (s.unsupported) return undefined;
     const search = this.#laneSearch.get(holder);
-    if (search !== undefined && !search.searching && search.retryAt <= now() && this.#opts.localLane !== false && LANE_SUPPORTED && !this.#isClosing) {
+    // On every call: the clock is read only while a search may be due (never with the lane off,
+    // nor once a lane was found).
+    if (search !== undefined && this.#opts.localLane !== false && LANE_SUPPORTED && !search.searching && search.retryAt !== Number.POSITIVE_INFINITY && search.retryAt <= now() && !this.#isClosing) {
       search.searching = true;
       search.retryAt = Number.POSITIVE_INFINITY; // until the lane is lost
       this.#findLane(holder, s, search);

@@ -12,7 +12,7 @@ import * as grpc from '@grpc/grpc-js';
 import { LockClient } from '@tensorwire/lock-client';
 import { ECHO_SERVICE } from '../echo.js';
 import { spawnWorker, type Worker } from '../proc.js';
-import { median, nowMs, summarize } from '../stats.js';
+import { leaseCallPath, median, nowMs, summarize } from '../stats.js';
 import { BenchError, type Measurement, type Ratio, type Scenario, type ScenarioContext, type ScenarioResult } from '../types.js';
 
 interface EchoClient extends grpc.Client {
@@ -181,8 +181,8 @@ export const locks: Scenario = async (ctx): Promise<ScenarioResult> => {
       }
     }
     const gapCycles = gapRuns * GAP_RUN;
-    const session = client.sessionStats().get(holder);
-    if (session !== undefined) notes.push(`lock cycles' calls: ${session.lanesOpened > 0 ? `over the holder's local lane (${session.lanesOpened} of ${session.opened} streams opened)` : 'over the gRPC Session stream'}`);
+    const path = leaseCallPath(client.sessionStats().get(holder));
+    if (path !== undefined) notes.push(`lock cycles' calls: ${path}`);
 
     // Fault injection: requesters SIGKILLed while they hold leases.
     const victimWorkers: Worker[] = [];

@@ -32,7 +32,7 @@ import { allocateSharedMemory } from '@tensorwire/cuda-ipc';
 import { LockClient, type LockGuard } from '@tensorwire/lock-client';
 import { bytesOf, kvBlockId, kvSpace, rng, scatter, type KvMethod, type KvMethodResult, type KvRereadMethod, type KvRereadResult, type KvShape } from '../kv-shape.js';
 import { workerInit } from '../proc.js';
-import { nowMs, warmupTrend } from '../stats.js';
+import { nowMs, usedLocalLane, warmupTrend } from '../stats.js';
 import { requesterTransports, type TransportChoice } from '../transports.js';
 
 type KvLane = 'same-host' | 'tcp';
@@ -416,23 +416,36 @@ async function measure(shape: KvShape, seed: number, fetches: number, order: rea
       for (let i = 0; i < count; i++) contiguous[i] = offset + i * s;
       r = await timed(contiguous, s, fetches, random, () => rawFetch(bytes, offset));
     } else {
-      const l = lanes.get(method.startsWith('tcp') ? 'tcp' : 'same-host');
+      const laneName: KvLane = method.startsWith('tcp') ? 'tcp' : 'same-host';
+      const l = lanes.get(laneName);
       if (!l) throw new Error(`no ${method} lane in this run`);
-      r = method.endsWith('leased')
-        ? await runLeased(l, offsets, s, fetches, random, client)
-        : method.endsWith('leased-unary')
-          ? await runLeased(l, offsets, s, fetches, random, unaryClient)
-          : method.endsWith('leased-stream')
-          ? await runLeased(l, offsets, s, fetches, random, streamClient)
-          : method.endsWith('leased-ids')
-            ? await runLeased(l, offsets, s, fetches, random, client, { byId: true })
-            : method.endsWith('leased-awaited')
-              ? await runLeased(l, offsets, s, fetches, random, client, { awaitRelease: true })
-              : method.endsWith('leased-alternating')
-                ? await runLeased(l, offsets, s, fetches, random, client, { alternate: true })
-                : method.endsWith('leased-pipelined')
-                  ? await runPipelined(l, offsets, s, fetches, random)
-                  : await runEngine(l, method.endsWith('prepared'), offsets, s, fetches, random);
+      // What follows the lane in the method's name: prepared, read, leased, leased-<variant>.
+      const kind = method.slice(laneName.length + 1);
+      switch (kind) {
+        case 'leased':
+          r = await runLeased(l, offsets, s, fetches, random, client);
+          break;
+        case 'leased-unary':
+          r = await runLeased(l, offsets, s, fetches, random, unaryClient);
+          break;
+        case 'leased-stream':
+          r = await runLeased(l, offsets, s, fetches, random, streamClient);
+          break;
+        case 'leased-ids':
+          r = await runLeased(l, offsets, s, fetches, random, client, { byId: true });
+          break;
+        case 'leased-awaited':
+          r = await runLeased(l, offsets, s, fetches, random, client, { awaitRelease: true });
+          break;
+        case 'leased-alternating':
+          r = await runLeased(l, offsets, s, fetches, random, client, { alternate: true });
+          break;
+        case 'leased-pipelined':
+          r = await runPipelined(l, offsets, s, fetches, random);
+          break;
+        default:
+          r = await runEngine(l, kind === 'prepared', offsets, s, fetches, random);
+      }
     }
     out.push({ method, ...r });
   }
@@ -534,7 +547,7 @@ async function warmLeases(cycles: number, blockBytes: number): Promise<{ ms: num
     // Like every leased method's: each release confirmed by the holder, none left to its GC.
     if (unconfirmed > 0) throw new Error(`lease path warm-up: ${unconfirmed} of ${r.n} releases (${r.lane}, ${r.who}) were not confirmed`);
     const st = r.c.sessionStats().get(cfg.lockAddress);
-    const via = st === undefined ? '' : st.lanesOpened > 0 ? " (over the holder's local lane)" : ' (over gRPC)';
+    const via = st === undefined ? '' : usedLocalLane(st) ? " (over the holder's local lane)" : ' (over gRPC)';
     rows.push(`${r.lane} ${r.who}${via}: ${r.n} fetches, ${warmupTrend(times)}`);
   }
   return { ms: nowMs() - t0, fetches, rows };

@@ -182,6 +182,8 @@ export class LockServer implements AsyncDisposable {
   readonly #handlers: grpc.UntypedServiceImplementation;
   readonly #laneEnabled: boolean | undefined;
   readonly #maxLaneConnections: number;
+  /** Largest lane frame read: the gRPC server's receive limit. */
+  readonly #laneMaxFrame: number;
   #lane: { readonly name: string; readonly server: NetServer; readonly sockets: Set<Socket> } | undefined;
   #closing: Promise<void> | undefined;
 
@@ -234,8 +236,6 @@ export class LockServer implements AsyncDisposable {
     const maxReceive = options.grpcOptions?.['grpc.max_receive_message_length'];
     this.#laneMaxFrame = typeof maxReceive === 'number' && maxReceive > 0 ? maxReceive : LANE_MAX_FRAME_BYTES;
   }
-
-  readonly #laneMaxFrame: number;
 
   /** The name of the local lane's abstract socket while it is offered (see {@link LockServerOptions.localLane}). */
   get localLane(): string | undefined {
