@@ -773,7 +773,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
    * `await using fetch = await client.fetch(engine, holder, blockIds, destinations, { deadline, signal })`
    */
   fetch(engine: TransferEngine, holder: string, blocks: readonly string[] | NumberedBlocks, destinations: readonly FetchDestination[], options: FetchOptions = {}): Promise<FetchGuard> {
-    return fetchBlocks((h, b, o) => this.acquire(h, b, o), engine, holder, blocks, destinations, options);
+    return fetchBlocks((h, b, o) => this.acquire(h, b, o), engine, holder, blocks, destinations, options, this.#closeController.signal);
   }
 
   /**
@@ -1126,7 +1126,7 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     // Let the cancelled acquires' handlers run: each registers the release of a grant that may
     // have happened, and close must wait for those too.
     await new Promise<void>((resolve) => setImmediate(resolve));
-    this.#closeController.abort();
+    this.#closeController.abort(new ClosedError('lock client closed'));
     const limit = this.#opts.closeTimeoutMs ?? 5000;
     this.#closeDeadline = now() + limit;
     const lanes = [...this.#lanes.values()];

@@ -18,6 +18,7 @@ import {
   type MemoryDescriptor,
   type TransferEngine,
   type TransferReport,
+  type TransferRequest,
 } from '@tensorwire/core';
 import type { AcquireOptions, LockGuard, ReleaseResult } from './client.js';
 import { decodeFetchDescriptor } from './fetch-descriptor.js';
@@ -70,11 +71,20 @@ export class FetchGuard implements AsyncDisposable {
   }
 }
 
-/** A request of a reused list: `range` is its index, the rest is rewritten per fetch. */
-type MutableRequest = { local: Registration; localOffset: number; remote: MemoryDescriptor; readonly range: number; length: number };
+/** A request of a reused list: `range` is its index; `length` is the destination's expected length, or {@link ANY_LENGTH}, until the grant fills it in. */
+type MutableRequest = { local: Registration; localOffset: number; remote: MemoryDescriptor | undefined; readonly range: number; length: number };
 
-/** Per destinations array: its request list, and whether a read is using it now. */
-const requestLists = new WeakMap<readonly FetchDestination[], { readonly requests: MutableRequest[]; busy: boolean }>();
+/** A request list, laid out from one destinations array; busy while a fetch is using it. */
+interface RequestList {
+  readonly requests: MutableRequest[];
+  busy: boolean;
+}
+
+/** What `length` holds for a destination that takes whatever the holder granted. */
+const ANY_LENGTH = -1;
+
+/** Per destinations array: its request list, rewritten in place by the next fetch that finds it free. */
+const requestLists = new WeakMap<readonly FetchDestination[], RequestList>();
 
 /** Options of {@link LockClient.fetchLease}: the deadline and signal of the read (the lease's transfer deadline and signal bound it too). */
 export interface FetchLeaseOptions {
@@ -88,17 +98,44 @@ function blockCount(blocks: readonly string[] | NumberedBlocks): number {
   return Array.isArray(blocks) ? blocks.length : (blocks as Partial<NumberedBlocks> | null)?.numbers instanceof Uint32Array ? (blocks as NumberedBlocks).numbers.length : 0;
 }
 
-/** One destination per block, each with a registration: InvalidInputError otherwise. */
-function checkDestinations(destinations: readonly FetchDestination[], count: number): void {
+/** One destination per block: InvalidInputError otherwise (each entry is checked by {@link layOut}). */
+function checkCount(destinations: readonly FetchDestination[], count: number): void {
   if (!Array.isArray(destinations) || destinations.length !== count) {
     throw new InvalidInputError(`fetch needs one destination per block (${count} blocks, ${Array.isArray(destinations) ? destinations.length : 0} destinations)`, {
       details: { field: 'destinations' },
     });
   }
-  for (let i = 0; i < count; i++) {
-    const d = destinations[i];
-    if (!(d?.local instanceof Registration)) throw new InvalidInputError(`destinations[${i}].local must be a Registration of the engine`, { details: { field: 'destinations', request: i } });
+}
+
+/**
+ * The request list of `destinations` (checked by {@link checkCount}), marked busy: every
+ * destination checked (a registration) and written into its request, all but what the grant
+ * gives. A KV fetch loop passes the same destinations every time: their list is rewritten in
+ * place, no object per block per fetch. InvalidInputError (the list not taken) for a bad entry.
+ */
+function layOut(destinations: readonly FetchDestination[], count: number): RequestList {
+  let list = requestLists.get(destinations);
+  if (list === undefined || list.busy || list.requests.length !== count) {
+    list = { requests: new Array<MutableRequest>(count), busy: false };
+    requestLists.set(destinations, list);
   }
+  const requests = list.requests;
+  for (let i = 0; i < count; i++) {
+    const dest = destinations[i];
+    const local = dest?.local;
+    if (!(local instanceof Registration)) throw new InvalidInputError(`destinations[${i}].local must be a Registration of the engine`, { details: { field: 'destinations', request: i } });
+    const localOffset = (dest as FetchDestination).offset ?? 0;
+    const length = (dest as FetchDestination).length ?? ANY_LENGTH;
+    const q = requests[i];
+    if (q === undefined) requests[i] = { local, localOffset, remote: undefined, range: i, length };
+    else {
+      q.local = local;
+      q.localOffset = localOffset;
+      q.length = length;
+    }
+  }
+  list.busy = true;
+  return list;
 }
 
 /** @internal The body of {@link LockClient.fetch}, given its acquire. */
@@ -109,12 +146,40 @@ export async function fetchBlocks(
   blocks: readonly string[] | NumberedBlocks,
   destinations: readonly FetchDestination[],
   options: FetchOptions,
+  closing: AbortSignal,
 ): Promise<FetchGuard> {
-  checkDestinations(destinations, blockCount(blocks));
+  const count = blockCount(blocks);
+  checkCount(destinations, count);
   const { deadline, ...acquireOptions } = options;
   const timeoutMs = deadline === undefined ? options.timeoutMs : Math.max(1, Math.min(options.timeoutMs ?? Number.POSITIVE_INFINITY, deadline - Date.now()));
-  const lease = await acquire(holder, blocks, timeoutMs === undefined ? acquireOptions : { ...acquireOptions, timeoutMs });
-  return readLease(engine, lease, destinations, options);
+  // The acquire leaves now; the destinations are checked and laid out while the holder grants
+  // (that work is off the fetch's path). A bad destination fails the fetch once the lease is
+  // in hand, and releases it.
+  const acquiring = acquire(holder, blocks, timeoutMs === undefined ? acquireOptions : { ...acquireOptions, timeoutMs });
+  let list: RequestList | undefined;
+  let bad: unknown;
+  try {
+    list = layOut(destinations, count);
+  } catch (e) {
+    bad = e;
+  }
+  let lease: LockGuard;
+  try {
+    lease = await acquiring;
+  } catch (e) {
+    if (list !== undefined) list.busy = false;
+    throw e;
+  }
+  if (list === undefined) {
+    await lease.release();
+    throw bad;
+  }
+  // The read stops for the caller's signal, the client's close and the lease's transfer
+  // deadline. The lease's own signal (a timer and a controller per lease) is needed only where
+  // the lease can end during the read without either: when it renews itself.
+  const renews = Boolean(options.autoRenew);
+  const signal = renews ? options.signal : options.signal ? AbortSignal.any([options.signal, closing]) : closing;
+  return readLease(engine, lease, list, { ...(deadline !== undefined ? { deadline } : {}), ...(signal !== undefined ? { signal } : {}) }, renews);
 }
 
 /**
@@ -125,20 +190,26 @@ export async function fetchBlocks(
  * fetch, go out before a same-host read holds the thread).
  */
 export async function fetchLeased(engine: TransferEngine, lease: LockGuard, destinations: readonly FetchDestination[], options: FetchLeaseOptions, yieldFirst: boolean): Promise<FetchGuard> {
+  let list: RequestList;
   try {
-    checkDestinations(destinations, lease.blockCount);
-    if (yieldFirst) await new Promise<void>((resolve) => setImmediate(resolve));
+    checkCount(destinations, lease.blockCount);
+    list = layOut(destinations, lease.blockCount);
   } catch (e) {
     await lease.release();
     throw e;
   }
-  return readLease(engine, lease, destinations, options);
+  if (yieldFirst) await new Promise<void>((resolve) => setImmediate(resolve));
+  return readLease(engine, lease, list, options, true);
 }
 
-/** Read the blocks of `lease` into `destinations` (checked already); releases the lease on any failure. */
-async function readLease(engine: TransferEngine, lease: LockGuard, destinations: readonly FetchDestination[], options: FetchLeaseOptions): Promise<FetchGuard> {
+/**
+ * Read the blocks of `lease` through the request list laid out for them (busy; handed back
+ * here); releases the lease on any failure. `leaseSignal`: the read also stops when the lease
+ * ends (its signal joins `options.signal`).
+ */
+async function readLease(engine: TransferEngine, lease: LockGuard, list: RequestList, options: FetchLeaseOptions, leaseSignal: boolean): Promise<FetchGuard> {
   const count = lease.blockCount;
-  const deadline = options.deadline;
+  const requests = list.requests;
   try {
     const leaseDescriptors = lease.leaseDescriptors;
     if (leaseDescriptors.length !== 1) {
@@ -162,41 +233,26 @@ async function readLease(engine: TransferEngine, lease: LockGuard, destinations:
     if (lengths.length !== count) {
       throw new RemoteRejectedError(`holder ${lease.holderId} granted ${lengths.length} ranges for ${count} blocks`, { details: { remoteCode: 'grant-shape' } });
     }
-    // The request list of the last fetch into these destinations, rewritten in place when no
-    // read is using it (a KV fetch loop passes the same destinations every time): no object
-    // per block per fetch.
-    let reuse = requestLists.get(destinations);
-    if (reuse === undefined || reuse.busy || reuse.requests.length !== count) {
-      reuse = { requests: new Array<MutableRequest>(count), busy: false };
-      requestLists.set(destinations, reuse);
-    }
-    const requests = reuse.requests;
     for (let i = 0; i < count; i++) {
-      const dest = destinations[i] as FetchDestination;
+      const q = requests[i] as MutableRequest;
       const granted = lengths[i] as number;
-      if (dest.length !== undefined && dest.length !== granted) {
-        throw new InvalidInputError(`block ${lease.blockIds[i] as string} is ${granted} bytes on the holder, the destination expects ${dest.length}`, { details: { field: 'destinations', request: i } });
-      }
-      const q = requests[i];
-      if (q === undefined) requests[i] = { local: dest.local, localOffset: dest.offset ?? 0, remote: d, range: i, length: granted };
-      else {
-        q.local = dest.local;
-        q.localOffset = dest.offset ?? 0;
-        q.remote = d;
+      if (q.length !== granted) {
+        if (q.length !== ANY_LENGTH) {
+          throw new InvalidInputError(`block ${lease.blockIds[i] as string} is ${granted} bytes on the holder, the destination expects ${q.length}`, { details: { field: 'destinations', request: i } });
+        }
         q.length = granted;
       }
+      q.remote = d;
     }
+    const deadline = options.deadline;
     const until = deadline === undefined ? lease.transferDeadline : Math.min(deadline, lease.transferDeadline);
-    const signal = options.signal ? AbortSignal.any([options.signal, lease.signal]) : lease.signal;
-    reuse.busy = true;
-    try {
-      const report = await engine.read(endpoint, requests, { deadline: until, signal });
-      return new FetchGuard(lease, report);
-    } finally {
-      reuse.busy = false;
-    }
+    const signal = !leaseSignal ? options.signal : options.signal ? AbortSignal.any([options.signal, lease.signal]) : lease.signal;
+    const report = await engine.read(endpoint, requests as TransferRequest[], { deadline: until, signal });
+    return new FetchGuard(lease, report);
   } catch (e) {
     await lease.release();
     throw e;
+  } finally {
+    list.busy = false;
   }
 }

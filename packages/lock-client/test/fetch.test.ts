@@ -5,8 +5,9 @@
 import { once } from 'node:events';
 import net from 'node:net';
 import { describe, expect, it } from 'vitest';
-import { AbortedError, InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, silentLogger, type Registration } from '@tensorwire/core';
-import { LockClient, decodeFetchDescriptor } from '../src/index.js';
+import { AbortedError, ClosedError, InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, decodeEndpoint, decodeTcpEndpoint, encodeEndpoint, encodeTcpEndpoint, silentLogger, type Registration } from '@tensorwire/core';
+import { createStreamRelay, type StreamRelay } from '@tensorwire/core/testing';
+import { LockClient, decodeFetchDescriptor, encodeFetchDescriptor } from '../src/index.js';
 import { LockServer, engineGrants, type EngineGrants } from '../src/server/index.js';
 import { forkFixture, killChildrenAfterEach } from './children.js';
 import { waitFor } from './helpers.js';
@@ -41,6 +42,47 @@ async function holder(blocks: number, lockTimeoutMs = 30_000): Promise<Holder> {
     async close() {
       await server.close({ graceMs: 0 });
       await grants.settled();
+      await engine.close();
+    },
+  };
+}
+
+/**
+ * A holder whose lease descriptors name its engine behind a relay the test controls: stalling
+ * the relay stalls every read of a fetch (the lease is granted, its bytes never come).
+ */
+async function relayedHolder(blocks: number): Promise<Holder & { relay: StreamRelay }> {
+  const engine = new TransferEngine({ nodeId: 'holder', transports: [new TcpTransport()], logger: silentLogger });
+  const region = new Uint8Array(blocks * BLOCK);
+  const registration = await engine.register({ kind: 'host', buffer: region });
+  const grants = engineGrants({ engine, spaces: { arena: { registration, blockBytes: BLOCK } } });
+  const ep = decodeEndpoint(engine.endpoint());
+  const relay = await createStreamRelay(decodeTcpEndpoint(ep.transports.get('tcp') as Uint8Array));
+  const address = relay.address as { host: string; port: number };
+  const relayed = encodeEndpoint({ identity: ep.identity, transports: new Map([['tcp', encodeTcpEndpoint(address.host, address.port)]]) });
+  const options = grants.lockServerOptions;
+  const server = new LockServer({
+    holderId: 'holder',
+    lockTimeoutMs: 30_000,
+    ...options,
+    resolveLease: async (lease) => {
+      const resolved = (await options.resolveLease(lease)) as { lease: readonly Uint8Array[] };
+      return { lease: [encodeFetchDescriptor(relayed, decodeFetchDescriptor(resolved.lease[0] as Uint8Array).grant)] };
+    },
+    logger: silentLogger,
+  });
+  const port = await server.listen('127.0.0.1:0');
+  return {
+    engine,
+    server,
+    grants,
+    address: `127.0.0.1:${port}`,
+    region,
+    relay,
+    async close() {
+      await server.close({ graceMs: 0 });
+      await grants.settled();
+      await relay.close();
       await engine.close();
     },
   };
@@ -198,6 +240,58 @@ describe('fetch: lease + grant + read + release as one call', () => {
     await expect(r.client.fetch(r.engine, h.address, ids(2), [{ local: r.local }], { timeoutMs: 10_000 })).rejects.toBeInstanceOf(InvalidInputError);
     expect(h.grants.counters().issued).toBe(1);
     balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it('a destination that is not a registration fails the fetch with InvalidInputError naming it, and releases the lease; the destinations array serves the next fetch', async () => {
+    const h = await holder(8);
+    const r = await requester();
+    const destinations: { local: Registration; offset: number; length: number }[] = ids(3).map((_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    const good = destinations[1] as { local: Registration; offset: number; length: number };
+    destinations[1] = { ...good, local: {} as Registration };
+    const err = await r.client.fetch(r.engine, h.address, ids(3), destinations, { timeoutMs: 10_000 }).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(InvalidInputError);
+    expect((err as InvalidInputError).details).toMatchObject({ field: 'destinations', request: 1 });
+    // Checked while the acquire was out: the lease was taken, and released before the error came back.
+    expect(h.server.counters()).toMatchObject({ acquired: 1, released: 1, active: 0 });
+    destinations[1] = good;
+    r.dst.fill(0);
+    {
+      await using fetch = await r.client.fetch(r.engine, h.address, ids(3), destinations, { timeoutMs: 10_000 });
+      expect(fetch.report.bytes).toBe(3 * BLOCK);
+    }
+    for (let i = 0; i < 3; i++) expect(Buffer.compare(r.dst.subarray(i * BLOCK, (i + 1) * BLOCK), slotOf(h.region, i, 8))).toBe(0);
+    await waitFor(() => h.server.counters().active === 0, 'leases released');
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 2, revoked: 2, live: 0 });
+    balanced(h);
+    await r.close();
+    await h.close();
+  });
+
+  it("a read that stalls stops for the caller's signal (AbortedError) and for client.close() (ClosedError); each lease is released", async () => {
+    const h = await relayedHolder(8);
+    const r = await requester();
+    const blocks = { owner: 'arena', numbers: Uint32Array.of(1, 2) };
+    const destinations = [0, 1].map((i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    h.relay.stall();
+    // Reading: the lease is in the client's hands, and the read's connection waits in the relay.
+    const reading = (): Promise<void> => waitFor(() => r.client.counters().active === 1 && h.relay.connections > 0, 'the read under way');
+    const ac = new AbortController();
+    const aborted = r.client.fetch(r.engine, h.address, blocks, destinations, { timeoutMs: 30_000, signal: ac.signal }).catch((e: unknown) => e);
+    await reading();
+    ac.abort();
+    expect(await aborted).toBeInstanceOf(AbortedError);
+    await waitFor(() => h.server.counters().active === 0 && r.client.counters().active === 0, 'the aborted fetch released its lease');
+    const closed = r.client.fetch(r.engine, h.address, blocks, destinations, { timeoutMs: 30_000 }).catch((e: unknown) => e);
+    await reading();
+    await r.client.close();
+    expect(await closed).toBeInstanceOf(ClosedError);
+    expect(h.server.counters()).toMatchObject({ acquired: 2, released: 2, active: 0 });
+    h.relay.resume();
+    await h.grants.settled();
+    expect(h.grants.counters()).toMatchObject({ issued: 2, revoked: 2, live: 0 });
     await r.close();
     await h.close();
   });

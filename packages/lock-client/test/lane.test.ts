@@ -9,6 +9,8 @@
  * - Protocol errors (a frame over the limit, bytes that do not decode, a first frame that is not
  *   a hello, a hello whose authorization is no header value, random bytes) close that
  *   connection; the holder goes on serving everyone else.
+ * - A release that arrives while an acquire is being granted is answered after it (a fetch
+ *   loop's release comes with its next acquire, whose answer the requester is waiting for).
  * - close() and abort() destroy every lane socket, a half-open one included.
  * - A holder whose lane this process cannot reach (another host) gets no call over it, and the
  *   search backs off.
@@ -166,6 +168,38 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     await (await c.acquire(h.address, ['block:holder1:1'])).release();
     expect(c.sessionStats().get(h.address)?.lane).toBe(true);
     expect(h.server.counters()).toMatchObject({ acquired: 2, released: 2, active: 0 });
+  });
+
+  it('a release that arrives with an acquire being granted is answered after that acquire; one that arrives first is answered first', async () => {
+    // A resolver that awaits, as engineGrants does (microtasks only): without the wait, the
+    // release's synchronous work would run inside the acquire's grant and answer first.
+    const h = await holder({ resolveLease: async () => {
+      for (let i = 0; i < 4; i++) await null;
+      return { lease: [Uint8Array.of(1, 2, 3)] };
+    } });
+    const raw = rawLane(h.server.localLane as string);
+    raw.send(hello());
+    const answered = (id: number): Promise<void> => waitFor(() => raw.answers.some((a) => a.id === id), `answer ${id}`);
+    const sessionOf = (id: number): string => codec.AcquireResponse.decode((raw.answers.find((a) => a.id === id) as SessionResponseMsg).payload).sessionId;
+    const releaseMany = (id: number, sessionId: string): SessionRequestMsg => ({
+      id,
+      method: 'ReleaseMany',
+      payload: codec.ReleaseManyRequest.encode({ requesterId: 'raw', sessionIds: [sessionId], acquireIds: [] }),
+      timeoutMs: 10_000,
+    });
+    const frames = (...ms: SessionRequestMsg[]): Buffer => Buffer.concat(ms.map((m) => laneFrame(codec.SessionRequest.encode(m))));
+    raw.send(acquire(1, 'block:holder1:1'));
+    await answered(1);
+    // One write: the next fetch's acquire, then the last one's release, as a fetch loop sends them.
+    raw.socket.write(frames(acquire(2, 'block:holder1:2'), releaseMany(3, sessionOf(1))));
+    await answered(3);
+    expect(raw.answers.filter((a) => a.id !== 0).map((a) => [a.id, a.code])).toEqual([[1, 0], [2, 0], [3, 0]]);
+    // A release that comes first, with no grant under way, is not held back.
+    raw.socket.write(frames(releaseMany(4, sessionOf(2)), acquire(5, 'block:holder1:3')));
+    await answered(5);
+    expect(raw.answers.slice(-2).map((a) => a.id)).toEqual([4, 5]);
+    expect(codec.ReleaseManyResponse.decode((raw.answers.find((a) => a.id === 3) as SessionResponseMsg).payload).released).toEqual([1]);
+    expect(h.server.counters()).toMatchObject({ acquired: 3, released: 2, active: 1 });
   });
 
   it('close() and abort() end the lane: its sockets are destroyed (also one that never closes its side) and no new one is accepted', async () => {

@@ -176,6 +176,8 @@ export class LockServer implements AsyncDisposable {
   readonly #drainWaiters: (() => void)[] = [];
   /** Open Session streams: ended at shutdown (a graceful gRPC shutdown waits for open calls). */
   readonly #sessions = new Set<() => void>();
+  /** Acquires whose resolver (the grant) is still working: Session releases wait behind them. */
+  #granting = 0;
   #state: 'idle' | 'serving' | 'draining' | 'closed' = 'idle';
   #port = 0;
   /** The service implementation registered on the gRPC server; the local lane dispatches to it too. */
@@ -368,9 +370,17 @@ export class LockServer implements AsyncDisposable {
       }
     };
     stream.on('data', (m: SessionRequestMsg) => {
+      outstanding++;
+      // A release that comes while acquires are being granted (a fetch loop's release arrives
+      // with its next acquire) waits one turn of the event loop: the grant's awaits would
+      // otherwise let the release's work run first and delay the acquire's answer, which the
+      // requester is waiting for, while nobody waits for the release's.
+      if (this.#granting > 0 && (m.method === 'ReleaseMany' || m.method === 'Release')) setImmediate(dispatch, m);
+      else dispatch(m);
+    });
+    const dispatch = (m: SessionRequestMsg): void => {
       const id = m.id;
       let answered = false;
-      outstanding++;
       const answer = (r: SessionResponseMsg): void => {
         if (answered) return;
         answered = true;
@@ -435,7 +445,7 @@ export class LockServer implements AsyncDisposable {
         this.#logger.warn('lock: a handler threw on a session message', { method: m.method, error: e instanceof Error ? e.message : String(e) });
         fail(grpc.status.UNKNOWN, `the holder's ${m.method} handler threw`);
       }
-    });
+    };
     stream.on('end', () => {
       halfClosed = true;
       if (outstanding === 0) end();
@@ -531,11 +541,19 @@ export class LockServer implements AsyncDisposable {
       return;
     }
     if (!(result instanceof Promise)) this.#grant(call, cb, lease, result);
-    else
+    else {
+      this.#granting++;
       result.then(
-        (descriptors) => this.#grant(call, cb, lease, descriptors),
-        (e: unknown) => this.#resolveFailed(cb, lease, e),
+        (descriptors) => {
+          this.#granting--;
+          this.#grant(call, cb, lease, descriptors);
+        },
+        (e: unknown) => {
+          this.#granting--;
+          this.#resolveFailed(cb, lease, e);
+        },
       );
+    }
   }
 
   #resolveFailed(cb: grpc.sendUnaryData<AcquireResponseMsg>, lease: LeaseInfo, e: unknown): void {
