@@ -174,12 +174,15 @@ export async function fetchBlocks(
     await lease.release();
     throw bad;
   }
-  // The read stops for the caller's signal, the client's close and the lease's transfer
-  // deadline. The lease's own signal (a timer and a controller per lease) is needed only where
-  // the lease can end during the read without either: when it renews itself.
-  const renews = Boolean(options.autoRenew);
-  const signal = renews ? options.signal : options.signal ? AbortSignal.any([options.signal, closing]) : closing;
-  return readLease(engine, lease, list, { ...(deadline !== undefined ? { deadline } : {}), ...(signal !== undefined ? { signal } : {}) }, renews);
+  // The read stops for the client's close and the lease's transfer deadline; a fetch without a
+  // signal of its own needs nothing more, so it reads under the client's close signal as it is
+  // (no controller and timer per lease). With the caller's signal, or a lease that renews itself
+  // (and so may be lost during the read), the lease's signal joins the caller's, as fetchLease
+  // does: never a composite of the client's long-lived signal, which some Node versions keep
+  // for as long as that signal lives.
+  const leaseSignal = options.signal !== undefined || Boolean(options.autoRenew);
+  const signal = leaseSignal ? options.signal : closing;
+  return readLease(engine, lease, list, { ...(deadline !== undefined ? { deadline } : {}), ...(signal !== undefined ? { signal } : {}) }, leaseSignal);
 }
 
 /**
