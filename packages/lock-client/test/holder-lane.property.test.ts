@@ -353,17 +353,20 @@ async function run(ops: readonly Op[], oldHolder: boolean): Promise<void> {
 
 describe('HolderLane (property)', () => {
   it('ends every release exactly once, within the in-flight bound, whatever the interleaving', async () => {
-    await fc.assert(
-      fc.asyncProperty(fc.array(opArb, { minLength: 10, maxLength: 120, size: 'max' }), fc.boolean(), (ops, oldHolder) => run(ops, oldHolder)),
-      { numRuns: 150 },
-    );
-    // Every outcome, retries, an empty retry budget and a full in-flight window all happened.
-    if (process.env['TENSORWIRE_LANE_TALLIES']) console.log(tallies);
-    expect(tallies.confirmed).toBeGreaterThan(0);
-    expect(tallies.failed).toBeGreaterThan(0);
-    expect(tallies.expired).toBeGreaterThan(0);
-    expect(tallies.retries).toBeGreaterThan(0);
-    expect(tallies.budget).toBeGreaterThan(0);
-    expect(tallies.maxOpen).toBeGreaterThanOrEqual(MAX_IN_FLIGHT);
+    const property = fc.asyncProperty(fc.array(opArb, { minLength: 10, maxLength: 120, size: 'max' }), fc.boolean(), (ops, oldHolder) => run(ops, oldHolder));
+    // 150 interleavings of a fixed seed, so that the coverage checked below is the same on every
+    // run (an expiry in the queue comes in about 3 of 150 random runs: a random set alone missed
+    // it once in CI), then 150 new ones each run.
+    await fc.assert(property, { numRuns: 150, seed: 7 });
+    const seeded = { ...tallies };
+    await fc.assert(property, { numRuns: 150 });
+    if (process.env['TENSORWIRE_LANE_TALLIES']) console.log({ seeded, all: tallies });
+    // Every outcome, retries, an empty retry budget and a full in-flight window all happened, in the seeded runs alone.
+    expect(seeded.confirmed).toBeGreaterThan(0);
+    expect(seeded.failed).toBeGreaterThan(0);
+    expect(seeded.expired).toBeGreaterThan(0);
+    expect(seeded.retries).toBeGreaterThan(0);
+    expect(seeded.budget).toBeGreaterThan(0);
+    expect(seeded.maxOpen).toBeGreaterThanOrEqual(MAX_IN_FLIGHT);
   });
 });
