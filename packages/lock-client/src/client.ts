@@ -34,6 +34,7 @@ import {
   type TensorwireError,
   type TransferEngine,
 } from '@tensorwire/core';
+import { joinSignals } from './signals.js';
 import { fetchBlocks, fetchLeased, type FetchDestination, type FetchGuard, type FetchLeaseOptions, type FetchOptions } from './fetch.js';
 import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
@@ -878,8 +879,12 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
           delay = Math.min(retry.maxDelayMs ?? 2000, delay * 2);
           if (now() + wait < until) {
             this.#acquireRetries++;
-            const stop = signal === undefined ? this.#closeController.signal : AbortSignal.any([signal, this.#closeController.signal]);
-            await sleep(wait, stop);
+            const joined = signal === undefined ? undefined : joinSignals(signal, this.#closeController.signal);
+            try {
+              await sleep(wait, joined?.signal ?? this.#closeController.signal);
+            } finally {
+              joined?.release();
+            }
             if (signal?.aborted) throw errorFromSignal(signal, 'acquire');
             if (this.#isClosing) throw new ClosedError('lock client closed during acquire');
             continue;

@@ -22,6 +22,7 @@ import {
 } from '@tensorwire/core';
 import type { AcquireOptions, LockGuard, ReleaseResult } from './client.js';
 import { decodeFetchDescriptor } from './fetch-descriptor.js';
+import { joinSignals, type JoinedSignal } from './signals.js';
 import type { NumberedBlocks } from './ids.js';
 
 /** Where one block lands: a registration of the requester's engine, at `offset`. */
@@ -178,8 +179,7 @@ export async function fetchBlocks(
   // signal of its own needs nothing more, so it reads under the client's close signal as it is
   // (no controller and timer per lease). With the caller's signal, or a lease that renews itself
   // (and so may be lost during the read), the lease's signal joins the caller's, as fetchLease
-  // does: never a composite of the client's long-lived signal, which some Node versions keep
-  // for as long as that signal lives.
+  // does (joinSignals: never AbortSignal.any, see signals.ts).
   const leaseSignal = options.signal !== undefined || Boolean(options.autoRenew);
   const signal = leaseSignal ? options.signal : closing;
   return readLease(engine, lease, list, { ...(deadline !== undefined ? { deadline } : {}), ...(signal !== undefined ? { signal } : {}) }, leaseSignal);
@@ -213,6 +213,7 @@ export async function fetchLeased(engine: TransferEngine, lease: LockGuard, dest
 async function readLease(engine: TransferEngine, lease: LockGuard, list: RequestList, options: FetchLeaseOptions, leaseSignal: boolean): Promise<FetchGuard> {
   const count = lease.blockCount;
   const requests = list.requests;
+  let joined: JoinedSignal | undefined;
   try {
     const leaseDescriptors = lease.leaseDescriptors;
     if (leaseDescriptors.length !== 1) {
@@ -249,13 +250,15 @@ async function readLease(engine: TransferEngine, lease: LockGuard, list: Request
     }
     const deadline = options.deadline;
     const until = deadline === undefined ? lease.transferDeadline : Math.min(deadline, lease.transferDeadline);
-    const signal = !leaseSignal ? options.signal : options.signal ? AbortSignal.any([options.signal, lease.signal]) : lease.signal;
+    joined = leaseSignal && options.signal ? joinSignals(options.signal, lease.signal) : undefined;
+    const signal = joined !== undefined ? joined.signal : leaseSignal ? lease.signal : options.signal;
     const report = await engine.read(endpoint, requests as TransferRequest[], { deadline: until, signal });
     return new FetchGuard(lease, report);
   } catch (e) {
     await lease.release();
     throw e;
   } finally {
+    joined?.release();
     list.busy = false;
   }
 }

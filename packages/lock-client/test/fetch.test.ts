@@ -2,7 +2,7 @@
  * The fetch flow as a library: engineGrants (holder) and LockClient.fetch (requester), over
  * real TCP engines and a real lock service on loopback.
  */
-import { once } from 'node:events';
+import { getEventListeners, once } from 'node:events';
 import net from 'node:net';
 import { describe, expect, it } from 'vitest';
 import { AbortedError, ClosedError, InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, decodeEndpoint, decodeTcpEndpoint, encodeEndpoint, encodeTcpEndpoint, silentLogger, type Registration } from '@tensorwire/core';
@@ -10,7 +10,7 @@ import { createStreamRelay, type StreamRelay } from '@tensorwire/core/testing';
 import { LockClient, decodeFetchDescriptor, encodeFetchDescriptor } from '../src/index.js';
 import { LockServer, engineGrants, type EngineGrants } from '../src/server/index.js';
 import { forkFixture, killChildrenAfterEach } from './children.js';
-import { waitFor } from './helpers.js';
+import { dependants, waitFor } from './helpers.js';
 
 const BLOCK = 4096;
 
@@ -292,6 +292,24 @@ describe('fetch: lease + grant + read + release as one call', () => {
     h.relay.resume();
     await h.grants.settled();
     expect(h.grants.counters()).toMatchObject({ issued: 2, revoked: 2, live: 0 });
+    await r.close();
+    await h.close();
+  });
+
+  it('one long-lived signal passed to many fetches is left as it was: no listener and no composite stays on it', async () => {
+    const h = await holder(8);
+    const r = await requester();
+    const shutdown = new AbortController();
+    const destinations = ids(2).map((_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+    for (let i = 0; i < 30; i++) {
+      const fetch = await r.client.fetch(r.engine, h.address, ids(2), destinations, { timeoutMs: 10_000, signal: shutdown.signal });
+      await fetch.release();
+    }
+    // The lease's signal joined the caller's for each read; an AbortSignal.any composite would
+    // stay listed on the long-lived signal (30 entries on Node 20), a listener left would leak too.
+    expect(getEventListeners(shutdown.signal, 'abort')).toHaveLength(0);
+    expect(dependants(shutdown.signal) ?? 0).toBe(0);
+    expect(h.server.counters()).toMatchObject({ acquired: 30, released: 30, active: 0 });
     await r.close();
     await h.close();
   });

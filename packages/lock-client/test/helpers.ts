@@ -66,3 +66,10 @@ export function statusOf(fn: () => unknown): string {
   }
   return 'OK';
 }
+
+/** Composites `AbortSignal.any` registered on `s` (Node's internal list; undefined where Node keeps none). */
+export function dependants(s: AbortSignal): number | undefined {
+  const key = Object.getOwnPropertySymbols(s).find((k) => k.toString() === 'Symbol(kDependantSignals)');
+  const set = key === undefined ? undefined : (s as unknown as Record<symbol, { size: number } | undefined>)[key];
+  return set?.size;
+}
