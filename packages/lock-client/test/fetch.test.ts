@@ -119,6 +119,14 @@ function balanced(h: Holder): void {
   expect(g.issued).toBe(g.revoked + g.live);
 }
 
+/** Every lease of `h` released and its `grants` grants revoked (waited for), and the books balanced. */
+async function allReleased(h: Holder, grants: number): Promise<void> {
+  await waitFor(() => h.server.counters().active === 0, 'leases released');
+  await h.grants.settled();
+  expect(h.grants.counters()).toMatchObject({ issued: grants, revoked: grants, live: 0 });
+  balanced(h);
+}
+
 describe('fetch: lease + grant + read + release as one call', () => {
   it('1,000 blocks: one range grant per lease, bytes verified, grant revoked exactly once on dispose', async () => {
     const h = await holder(1000);
@@ -139,12 +147,9 @@ describe('fetch: lease + grant + read + release as one call', () => {
       }
       for (let i = 0; i < 1000; i++) expect(Buffer.compare(r.dst.subarray(i * BLOCK, (i + 1) * BLOCK), slotOf(h.region, i, 1000))).toBe(0);
     }
-    await waitFor(() => h.server.counters().active === 0, 'leases released');
-    await h.grants.settled();
-    expect(h.grants.counters()).toMatchObject({ issued: 3, revoked: 3, live: 0 });
+    await allReleased(h, 3);
     expect(h.server.counters()).toMatchObject({ acquired: 3, released: 3, active: 0 });
     expect(h.engine.liveGrants).toBe(0);
-    balanced(h);
     await r.close();
     await h.close();
   });
@@ -197,10 +202,7 @@ describe('fetch: lease + grant + read + release as one call', () => {
     expect(a?.lease.sessionId).not.toBe(b?.lease.sessionId);
     check(four, (k) => k * BLOCK);
     await Promise.all([a?.release(), b?.release()]);
-    await waitFor(() => h.server.counters().active === 0, 'leases released');
-    await h.grants.settled();
-    expect(h.grants.counters()).toMatchObject({ issued: 5, revoked: 5, live: 0 });
-    balanced(h);
+    await allReleased(h, 5);
     await r.close();
     await h.close();
   });
@@ -262,10 +264,7 @@ describe('fetch: lease + grant + read + release as one call', () => {
       expect(fetch.report.bytes).toBe(3 * BLOCK);
     }
     for (let i = 0; i < 3; i++) expect(Buffer.compare(r.dst.subarray(i * BLOCK, (i + 1) * BLOCK), slotOf(h.region, i, 8))).toBe(0);
-    await waitFor(() => h.server.counters().active === 0, 'leases released');
-    await h.grants.settled();
-    expect(h.grants.counters()).toMatchObject({ issued: 2, revoked: 2, live: 0 });
-    balanced(h);
+    await allReleased(h, 2);
     await r.close();
     await h.close();
   });
@@ -401,12 +400,9 @@ describe('fetchLease: read a lease already held (pipelined fetches)', () => {
       await fetch[Symbol.asyncDispose]();
       expect((await fetch.release()).confirmed).toBe(true);
     }
-    await waitFor(() => h.server.counters().active === 0, 'leases released');
-    await h.grants.settled();
+    await allReleased(h, 5);
     expect(h.server.counters()).toMatchObject({ acquired: 5, released: 5, active: 0 });
-    expect(h.grants.counters()).toMatchObject({ issued: 5, revoked: 5, live: 0 });
     expect(r.client.counters()).toMatchObject({ acquired: 5, released: 5, active: 0 });
-    balanced(h);
     await r.close();
     await h.close();
   });
