@@ -35,6 +35,7 @@ import {
   type TransferEngine,
 } from '@tensorwire/core';
 import { joinSignals } from './signals.js';
+import { transportsProblem } from './hints.js';
 import { fetchBlocks, fetchLeased, type FetchDestination, type FetchGuard, type FetchLeaseOptions, type FetchOptions } from './fetch.js';
 import { Registry } from 'prom-client';
 import { fromGrpcError } from './errors.js';
@@ -164,6 +165,15 @@ export interface AcquireOptions extends CallOptions {
   readonly leaseMs?: number;
   /** Renew automatically while the guard is live (for long transfers). */
   readonly autoRenew?: boolean | AutoRenewOptions;
+  /**
+   * The transports the blocks will be read through (the engine's names: `cuda-ipc`, `tcp`;
+   * at most 8, no duplicates). A holder serving with `engineGrants` then grants the lease over
+   * those of them that can grant its blocks only (no capability the requester does not use);
+   * it grants its usual set when none can. Default: the holder's
+   * usual set. `client.fetch` names, after its first fetch from a holder, the transport its
+   * engine read that holder's blocks through (see there).
+   */
+  readonly transports?: readonly string[];
 }
 
 export interface RenewOptions extends CallOptions {
@@ -774,8 +784,31 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
    * `await using fetch = await client.fetch(engine, holder, blockIds, destinations, { deadline, signal })`
    */
   fetch(engine: TransferEngine, holder: string, blocks: readonly string[] | NumberedBlocks, destinations: readonly FetchDestination[], options: FetchOptions = {}): Promise<FetchGuard> {
-    return fetchBlocks((h, b, o) => this.acquire(h, b, o), engine, holder, blocks, destinations, options, this.#closeController.signal);
+    const acquire = (h: string, b: readonly string[] | NumberedBlocks, o: AcquireOptions): Promise<LockGuard> => this.acquire(h, b, o);
+    const closing = this.#closeController.signal;
+    if (options.transports !== undefined) return fetchBlocks(acquire, engine, holder, blocks, destinations, options, closing);
+    // Least privilege, learned: a fetch names the transport the last fetch of this engine from
+    // this holder read through, so the holder grants over it alone. Should the engine now read
+    // through another (its choice for the holder changed), the read fails for want of that
+    // grant: the name is forgotten and the fetch made once more with the holder's usual grant.
+    let known = this.#fetchTransport.get(engine);
+    if (known === undefined) this.#fetchTransport.set(engine, (known = new Map()));
+    const byHolder = known;
+    const named = byHolder.get(holder);
+    const learn = (g: FetchGuard): FetchGuard => {
+      if (named?.[0] !== g.transport) byHolder.set(holder, Object.freeze([g.transport]));
+      return g;
+    };
+    if (named === undefined) return fetchBlocks(acquire, engine, holder, blocks, destinations, options, closing).then(learn);
+    return fetchBlocks(acquire, engine, holder, blocks, destinations, { ...options, transports: named }, closing).then(learn, (e: unknown) => {
+      byHolder.delete(holder);
+      if (!(e instanceof InvalidInputError && e.details['field'] === 'remote') || this.#isClosing) throw e;
+      return fetchBlocks(acquire, engine, holder, blocks, destinations, options, closing).then(learn);
+    });
   }
+
+  /** Per engine and holder: the transport `fetch` read the holder's blocks through last (named in the next fetch's acquire). */
+  readonly #fetchTransport = new WeakMap<TransferEngine, Map<string, readonly string[]>>();
 
   /**
    * Read the blocks of a lease this client acquired into `destinations` through `engine`, as
@@ -846,6 +879,11 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
     const timeoutMs = this.#timeout(options);
     const signal = options.signal;
     if (signal?.aborted) throw errorFromSignal(signal, 'acquire');
+    const transports = options.transports;
+    if (transports !== undefined) {
+      const problem = Array.isArray(transports) ? transportsProblem(transports) : 'transports must be an array of transport names';
+      if (problem !== undefined) throw new InvalidInputError(problem, { details: { field: 'transports' } });
+    }
 
     // One frozen copy serves the request (the codec only reads it) and the guard; numbers: one copy.
     const ids = numbered === undefined ? Object.freeze([...(blocks as readonly string[])]) : undefined;
@@ -863,8 +901,17 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
           'acquire',
           'Acquire',
           numbered === undefined
-            ? { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true }
-            : { requesterId: this.requesterId, blockIds: [], blockOwner: numbered.owner, blockNumbers: numbered.numbers, leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true },
+            ? { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true, ...(transports?.length ? { transports: transports as string[] } : {}) }
+            : {
+                requesterId: this.requesterId,
+                blockIds: [],
+                blockOwner: numbered.owner,
+                blockNumbers: numbered.numbers,
+                leaseMs: Math.floor(leaseMs),
+                acquireId,
+                omitEmptyBlocks: true,
+                ...(transports?.length ? { transports: transports as string[] } : {}),
+              },
           Math.max(1, until - sentAt),
           signal,
           true,

@@ -96,6 +96,7 @@ interface RawAcquireRequest {
   omitEmptyBlocks: boolean;
   blockOwner: string;
   blockNumbers: number[];
+  transports: string[];
 }
 interface RawBlockGrant {
   blockId: string;
@@ -168,13 +169,21 @@ const utf8 = new TextEncoder();
  */
 function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
   const ids = m.blockIds;
-  const { requesterId, leaseMs, acquireId, omitEmptyBlocks, blockOwner, blockNumbers } = m;
+  const { requesterId, leaseMs, acquireId, omitEmptyBlocks, blockOwner, blockNumbers, transports } = m;
   if (!Array.isArray(ids) || typeof requesterId !== 'string' || typeof acquireId !== 'string') return undefined;
   if (typeof leaseMs !== 'number' || !Number.isInteger(leaseMs) || leaseMs < 0 || leaseMs > 0xffffffff) return undefined;
   if (omitEmptyBlocks !== undefined && typeof omitEmptyBlocks !== 'boolean') return undefined;
   if (blockOwner !== undefined && typeof blockOwner !== 'string') return undefined;
   // Numbers only from a Uint32Array here (every element a uint32 by construction).
   if (blockNumbers !== undefined && !(blockNumbers instanceof Uint32Array)) return undefined;
+  if (transports !== undefined && !Array.isArray(transports)) return undefined;
+  let transportBytes = 0;
+  if (transports !== undefined) {
+    for (const t of transports) {
+      if (typeof t !== 'string') return undefined;
+      transportBytes += fieldSize(Buffer.byteLength(t, 'utf8'));
+    }
+  }
   const ownerBytes = blockOwner === undefined ? -1 : Buffer.byteLength(blockOwner, 'utf8');
   let packed = 0;
   if (blockNumbers !== undefined) for (let i = 0; i < blockNumbers.length; i++) packed += varintSize(blockNumbers[i] as number);
@@ -194,7 +203,8 @@ function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
     fieldSize(acquireBytes) +
     (omitEmptyBlocks === undefined ? 0 : 2) +
     (ownerBytes < 0 ? 0 : fieldSize(ownerBytes)) +
-    (packed === 0 ? 0 : fieldSize(packed));
+    (packed === 0 ? 0 : fieldSize(packed)) +
+    transportBytes;
   const buf = Buffer.allocUnsafe(size);
   let pos = 0;
   buf[pos++] = 0x0a; // 1: requester_id
@@ -224,6 +234,13 @@ function encodeAcquireRequestAscii(m: AcquireRequestMsg): Buffer | undefined {
     pos = writeVarint(buf, pos, packed);
     const ns = blockNumbers as Uint32Array;
     for (let i = 0; i < ns.length; i++) pos = writeVarint(buf, pos, ns[i] as number);
+  }
+  if (transports !== undefined) {
+    for (const t of transports) {
+      buf[pos++] = 0x42; // 8: transports, one entry each
+      pos = writeVarint(buf, pos, Buffer.byteLength(t, 'utf8'));
+      pos += buf.write(t, pos, 'utf8');
+    }
   }
   if (pos !== size) throw new Error(`AcquireRequest encoder wrote ${pos} bytes, expected ${size}`);
   return buf;
@@ -327,6 +344,7 @@ export function createLockCodec(protoPath: string): LockCodec {
           omitEmptyBlocks: r.omitEmptyBlocks,
           blockOwner: r.blockOwner,
           blockNumbers: list(r.blockNumbers),
+          transports: list(r.transports),
         };
       },
     },

@@ -6,6 +6,7 @@
  */
 export { LockClient, LockGuard } from './client.js';
 export { FetchGuard } from './fetch.js';
+export { MAX_ACQUIRE_TRANSPORTS } from './hints.js';
 export { numberedBlockIds } from './ids.js';
 export type { NumberedBlocks } from './ids.js';
 export type { FetchDestination, FetchLeaseOptions, FetchOptions } from './fetch.js';

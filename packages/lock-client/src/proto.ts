@@ -26,6 +26,8 @@ export interface AcquireRequestMsg {
   blockOwner?: string;
   /** Sent from a Uint32Array; decoded as numbers. */
   blockNumbers?: Uint32Array | number[];
+  /** The transports the requester reads through (a hint: the holder may grant over these only). Absent or empty: the holder's usual set. */
+  transports?: string[];
 }
 export interface BlockGrantMsg {
   blockId: string;

@@ -7,21 +7,14 @@ import net from 'node:net';
 import { describe, expect, it } from 'vitest';
 import { AbortedError, ClosedError, InvalidInputError, RemoteRejectedError, TcpTransport, TransferEngine, decodeEndpoint, decodeTcpEndpoint, encodeEndpoint, encodeTcpEndpoint, silentLogger, type Registration } from '@tensorwire/core';
 import { createStreamRelay, type StreamRelay } from '@tensorwire/core/testing';
-import { LockClient, decodeFetchDescriptor, encodeFetchDescriptor } from '../src/index.js';
+import { decodeFetchDescriptor } from '../src/index.js';
 import { LockServer, engineGrants, type EngineGrants } from '../src/server/index.js';
 import { forkFixture, killChildrenAfterEach } from './children.js';
-import { dependants, waitFor } from './helpers.js';
+import { dependants, fetchRequester, namingEndpoint, serveFetchHolder, waitFor, type FetchHolder, type FetchRequester } from './helpers.js';
 
 const BLOCK = 4096;
 
-interface Holder {
-  engine: TransferEngine;
-  server: LockServer;
-  grants: EngineGrants;
-  address: string;
-  region: Uint8Array;
-  close(): Promise<void>;
-}
+type Holder = FetchHolder;
 
 async function holder(blocks: number, lockTimeoutMs = 30_000): Promise<Holder> {
   const engine = new TransferEngine({ nodeId: 'holder', transports: [new TcpTransport()], logger: silentLogger });
@@ -31,20 +24,7 @@ async function holder(blocks: number, lockTimeoutMs = 30_000): Promise<Holder> {
   const map = new Map(Array.from({ length: blocks }, (_, i) => [`block:kv:${i}`, { registration, offset: ((i * 7) % blocks) * BLOCK, length: BLOCK }] as const));
   // And the same region as a numbered space (block n at slot n), for leases by number.
   const grants = engineGrants({ engine, blocks: map, spaces: { arena: { registration, blockBytes: BLOCK } } });
-  const server = new LockServer({ holderId: 'holder', lockTimeoutMs, minLeaseMs: Math.min(lockTimeoutMs, 1000), ...grants.lockServerOptions, logger: silentLogger });
-  const port = await server.listen('127.0.0.1:0');
-  return {
-    engine,
-    server,
-    grants,
-    address: `127.0.0.1:${port}`,
-    region,
-    async close() {
-      await server.close({ graceMs: 0 });
-      await grants.settled();
-      await engine.close();
-    },
-  };
+  return serveFetchHolder(engine, region, grants, { lockTimeoutMs, minLeaseMs: Math.min(lockTimeoutMs, 1000) });
 }
 
 /**
@@ -60,32 +40,8 @@ async function relayedHolder(blocks: number): Promise<Holder & { relay: StreamRe
   const relay = await createStreamRelay(decodeTcpEndpoint(ep.transports.get('tcp') as Uint8Array));
   const address = relay.address as { host: string; port: number };
   const relayed = encodeEndpoint({ identity: ep.identity, transports: new Map([['tcp', encodeTcpEndpoint(address.host, address.port)]]) });
-  const options = grants.lockServerOptions;
-  const server = new LockServer({
-    holderId: 'holder',
-    lockTimeoutMs: 30_000,
-    ...options,
-    resolveLease: async (lease) => {
-      const resolved = (await options.resolveLease(lease)) as { lease: readonly Uint8Array[] };
-      return { lease: [encodeFetchDescriptor(relayed, decodeFetchDescriptor(resolved.lease[0] as Uint8Array).grant)] };
-    },
-    logger: silentLogger,
-  });
-  const port = await server.listen('127.0.0.1:0');
-  return {
-    engine,
-    server,
-    grants,
-    address: `127.0.0.1:${port}`,
-    region,
-    relay,
-    async close() {
-      await server.close({ graceMs: 0 });
-      await grants.settled();
-      await relay.close();
-      await engine.close();
-    },
-  };
+  const h = await serveFetchHolder(engine, region, grants, { resolveLease: namingEndpoint(grants.lockServerOptions.resolveLease, () => relayed) }, () => relay.close());
+  return { ...h, relay };
 }
 
 function slotOf(region: Uint8Array, i: number, blocks: number): Uint8Array {
@@ -93,21 +49,8 @@ function slotOf(region: Uint8Array, i: number, blocks: number): Uint8Array {
   return region.subarray(s, s + BLOCK);
 }
 
-async function requester(name = 'req', localLane = true): Promise<{ engine: TransferEngine; client: LockClient; local: Registration; dst: Uint8Array; close(): Promise<void> }> {
-  const engine = new TransferEngine({ nodeId: name, transports: [new TcpTransport()], logger: silentLogger });
-  const client = new LockClient({ requesterId: name, logger: silentLogger, localLane });
-  const dst = new Uint8Array(1000 * BLOCK);
-  const local = await engine.register({ kind: 'host', buffer: dst });
-  return {
-    engine,
-    client,
-    local,
-    dst,
-    async close() {
-      await client.close();
-      await engine.close();
-    },
-  };
+function requester(name = 'req', localLane = true): Promise<FetchRequester> {
+  return fetchRequester({ name, localLane, blocks: 1000, blockBytes: BLOCK });
 }
 
 const ids = (n: number): string[] => Array.from({ length: n }, (_, i) => `block:kv:${i}`);

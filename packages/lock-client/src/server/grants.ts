@@ -29,7 +29,7 @@ import { LeaseError } from '../errors.js';
 import { encodeFetchDescriptor } from '../fetch-descriptor.js';
 import type { NumberedBlocks } from '../ids.js';
 import { MAX_SPACE_BLOCKS, type BlockSpace, type LeaseEndReason, type LeaseInfo } from './lease-table.js';
-import type { ResolvedLease } from './server.js';
+import type { AcquireHints, ResolvedLease } from './server.js';
 
 export interface EngineGrantsOptions {
   /** The holder's engine (started or not); its transports serve the grants. */
@@ -42,7 +42,12 @@ export interface EngineGrantsOptions {
    * grants of the lease's numbers. Passed on to the lease table (`lockServerOptions.spaces`).
    */
   readonly spaces?: Readonly<Record<string, EngineBlockSpace>>;
-  /** Transports that must grant (default: every one that can). */
+  /**
+   * Transports that must grant (default: every one that can). A lease whose acquire names the
+   * transports its requester reads through (`AcquireOptions.transports`) is granted over those
+   * of them that can grant its blocks (and are in this list, when given) only; when none can,
+   * or their grant fails, over this set as usual.
+   */
   readonly transports?: readonly string[];
   readonly logger?: Logger;
 }
@@ -82,17 +87,17 @@ export interface EngineGrants {
   pin(blockId: string): GrantRange;
   /** The block's last lease ended (nothing to forget: the lease table drops the pin's value). */
   unpin(blockId: string): void;
-  /** One range grant over the lease's blocks, as one lease descriptor. */
-  resolve(blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease>;
+  /** One range grant over the lease's blocks, as one lease descriptor (over the transports `hints` names, where they can grant). */
+  resolve(blockIds: readonly string[], lease: LeaseInfo, hints?: AcquireHints): Promise<ResolvedLease>;
   /** `resolve` of the lease's own blocks (a lease by number: its numbers, without formatting its ids). */
-  resolveLease(lease: LeaseInfo): Promise<ResolvedLease>;
+  resolveLease(lease: LeaseInfo, hints?: AcquireHints): Promise<ResolvedLease>;
   /** The lease ended: revoke its grant (once; a grant still being made is revoked when made). */
   revoke(lease: LeaseInfo, reason: LeaseEndReason): void;
   /** `{ pin, unpin, resolveLease, revoke, spaces }`, to spread into `startLockServer` options. */
   readonly lockServerOptions: {
     readonly pin: (blockId: string) => GrantRange;
     readonly unpin: (blockId: string) => void;
-    readonly resolveLease: (lease: LeaseInfo) => Promise<ResolvedLease>;
+    readonly resolveLease: (lease: LeaseInfo, hints?: AcquireHints) => Promise<ResolvedLease>;
     readonly revoke: (lease: LeaseInfo, reason: LeaseEndReason) => void;
     /** The numbered spaces, as the lease table takes them (their counts and hooks). */
     readonly spaces: Readonly<Record<string, BlockSpace>>;
@@ -149,11 +154,31 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
 
   const unpin = (): void => undefined;
 
-  const resolve = (blockIds: readonly string[], lease: LeaseInfo): Promise<ResolvedLease> => grantFor(lease.blocks !== undefined && blockIds === lease.blockIds ? undefined : blockIds, lease);
-  const resolveLease = (lease: LeaseInfo): Promise<ResolvedLease> => grantFor(lease.blocks !== undefined ? undefined : lease.blockIds, lease);
+  const resolve = (blockIds: readonly string[], lease: LeaseInfo, hints?: AcquireHints): Promise<ResolvedLease> =>
+    grantFor(lease.blocks !== undefined && blockIds === lease.blockIds ? undefined : blockIds, lease, hints);
+  const resolveLease = (lease: LeaseInfo, hints?: AcquireHints): Promise<ResolvedLease> => grantFor(lease.blocks !== undefined ? undefined : lease.blockIds, lease, hints);
+
+  /** Names of the engine's transports that make range grants (its transports are fixed once it exists). */
+  let granting: ReadonlySet<string> | undefined;
+  /**
+   * Of the transports the requester named, those that may grant over `regs`: granting
+   * transports of the engine (in `options.transports` when given) with a handle for every one
+   * of them. Undefined when it named none or none is left: the usual set.
+   */
+  const namedTransports = (hints: AcquireHints | undefined, regs: readonly Registration[]): string[] | undefined => {
+    const named = hints?.transports;
+    if (named === undefined || named.length === 0) return undefined;
+    granting ??= new Set(engine.transports.filter((t) => typeof t.grant === 'function' && typeof t.revokeGrant === 'function').map((t) => t.name));
+    let out: string[] | undefined;
+    for (const name of named) {
+      if (!granting.has(name) || (options.transports !== undefined && !options.transports.includes(name))) continue;
+      if (regs.every((r) => r.handleFor(name) !== undefined)) (out ??= []).push(name);
+    }
+    return out;
+  };
 
   /** The grant of `blockIds`, or (undefined) of the lease's own numbered blocks. */
-  const grantFor = async (blockIds: readonly string[] | undefined, lease: LeaseInfo): Promise<ResolvedLease> => {
+  const grantFor = async (blockIds: readonly string[] | undefined, lease: LeaseInfo, hints: AcquireHints | undefined): Promise<ResolvedLease> => {
     const sessionId = lease.sessionId;
     slots.set(sessionId, { state: 'pending' });
     let grant: Grant;
@@ -163,53 +188,19 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       const own = blockIds === undefined ? lease.blocks : undefined;
       const numbered = own === undefined ? undefined : spaces.get(own.owner);
       if (own !== undefined && numbered === undefined) throw new LeaseError('NOT_FOUND', `no numbered blocks of owner ${own.owner} on this holder`);
-      // One typed array for the whole lease: no object per block past the lookup.
-      const registrations: Registration[] = [];
-      const index = new Map<Registration, number>();
-      const ids = blockIds ?? [];
-      const n = ids.length;
-      const ranges = scratchFor(n * GRANT_STRIDE);
-      // While every block is one size in one registration, on one grid of that size (the KV
-      // arena case), the lease is also a block grant: one u32 per block, checked by the engine
-      // at about the cost of a copy (GrantBlocksSpec).
-      const blocks = blockScratchFor(n);
-      let grid = true;
-      let blockBytes = 0;
-      let phase = 0;
-      // What the pins looked up, when the lease is the table's and these are its blocks.
-      const values = lease.blocks === undefined && blockIds === lease.blockIds ? lease.pinValues : undefined;
-      for (let i = 0; i < n; i++) {
-        const id = ids[i] as string;
-        const v = values?.[i] as GrantRange | undefined;
-        // A pin hook other than ours (spread over lockServerOptions) may have kept something else.
-        const r = v !== undefined && v !== null && v.registration instanceof Registration ? v : lookup(id);
-        if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
-        let k = index.get(r.registration);
-        if (k === undefined) index.set(r.registration, (k = registrations.push(r.registration) - 1));
-        const offset = r.offset ?? 0;
-        const length = r.length ?? r.registration.byteLength - offset;
-        const at = i * GRANT_STRIDE;
-        ranges[at] = k;
-        ranges[at + 1] = offset;
-        ranges[at + 2] = length;
-        if (grid) {
-          if (i === 0) {
-            blockBytes = length;
-            phase = length >= 1 ? offset % length : 0;
-          }
-          const b = (offset - phase) / blockBytes;
-          grid = k === 0 && length === blockBytes && b >= 0 && b <= 0xffffffff && Number.isInteger(b);
-          blocks[i] = b;
-        }
+      const usual = options.transports ? { transports: options.transports } : {};
+      if (numbered !== undefined) {
+        const spec = { registration: numbered.registration, blockBytes: numbered.blockBytes, base: numbered.base, blocks: (own as NumberedBlocks).numbers };
+        const named = namedTransports(hints, [numbered.registration]);
+        grant = named === undefined ? await engine.grant(spec, usual) : await engine.grant(spec, { transports: named }).catch(() => engine.grant(spec, usual));
+      } else {
+        const ids = blockIds ?? [];
+        const { spec, registrations } = idSpec(ids, lease);
+        const named = namedTransports(hints, registrations);
+        // When the named transports' grant fails, the usual set's lays the lease out again (the
+        // scratch arrays may serve another lease by then).
+        grant = named === undefined ? await engine.grant(spec, usual) : await engine.grant(spec, { transports: named }).catch(() => engine.grant(idSpec(ids, lease).spec, usual));
       }
-      // The engine copies the ranges or blocks (into a copy it reuses after revocation) before
-      // grant() returns: the scratch arrays are free for the next lease at once.
-      const how = options.transports ? { transports: options.transports } : {};
-      grant = await (numbered !== undefined
-        ? engine.grant({ registration: numbered.registration, blockBytes: numbered.blockBytes, base: numbered.base, blocks: (own as NumberedBlocks).numbers }, how)
-        : grid
-        ? engine.grant({ registration: registrations[0] as Registration, blockBytes, base: phase, blocks }, how)
-        : engine.grant({ registrations, ranges }, how));
     } catch (e) {
       failed++;
       slots.delete(sessionId);
@@ -228,6 +219,53 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     }
     slots.set(sessionId, { state: 'live', grant });
     return { lease: [encodeFetchDescriptor(engine.endpoint(), grant.descriptor)] };
+  };
+
+  /**
+   * The grant spec of a lease's blocks by id, laid out in the scratch arrays (free again once
+   * `engine.grant()` has returned its promise: the engine copies them first), and the distinct
+   * registrations they lie in.
+   */
+  const idSpec = (ids: readonly string[], lease: LeaseInfo): { spec: Parameters<TransferEngine['grant']>[0]; registrations: readonly Registration[] } => {
+    // One typed array for the whole lease: no object per block past the lookup.
+    const registrations: Registration[] = [];
+    const index = new Map<Registration, number>();
+    const n = ids.length;
+    const ranges = scratchFor(n * GRANT_STRIDE);
+    // While every block is one size in one registration, on one grid of that size (the KV
+    // arena case), the lease is also a block grant: one u32 per block, checked by the engine
+    // at about the cost of a copy (GrantBlocksSpec).
+    const blocks = blockScratchFor(n);
+    let grid = true;
+    let blockBytes = 0;
+    let phase = 0;
+    // What the pins looked up, when the lease is the table's and these are its blocks.
+    const values = lease.blocks === undefined && ids === lease.blockIds ? lease.pinValues : undefined;
+    for (let i = 0; i < n; i++) {
+      const id = ids[i] as string;
+      const v = values?.[i] as GrantRange | undefined;
+      // A pin hook other than ours (spread over lockServerOptions) may have kept something else.
+      const r = v !== undefined && v !== null && v.registration instanceof Registration ? v : lookup(id);
+      if (r === undefined) throw new LeaseError('NOT_FOUND', `no block ${id} on this holder`);
+      let k = index.get(r.registration);
+      if (k === undefined) index.set(r.registration, (k = registrations.push(r.registration) - 1));
+      const offset = r.offset ?? 0;
+      const length = r.length ?? r.registration.byteLength - offset;
+      const at = i * GRANT_STRIDE;
+      ranges[at] = k;
+      ranges[at + 1] = offset;
+      ranges[at + 2] = length;
+      if (grid) {
+        if (i === 0) {
+          blockBytes = length;
+          phase = length >= 1 ? offset % length : 0;
+        }
+        const b = (offset - phase) / blockBytes;
+        grid = k === 0 && length === blockBytes && b >= 0 && b <= 0xffffffff && Number.isInteger(b);
+        blocks[i] = b;
+      }
+    }
+    return { spec: grid ? { registration: registrations[0] as Registration, blockBytes, base: phase, blocks } : { registrations, ranges }, registrations };
   };
 
   const revoke = (lease: LeaseInfo): void => {

@@ -4,9 +4,10 @@
  * table (usable on its own), the expiry GC and metrics.
  */
 export { LockServer, startLockServer } from './server.js';
+export { MAX_ACQUIRE_TRANSPORTS } from '../hints.js';
 export { engineGrants } from './grants.js';
 export type { EngineBlockSpace, EngineGrantCounters, EngineGrants, EngineGrantsOptions } from './grants.js';
-export type { BlockDescriptors, BlockResolver, ResolvedLease, CloseOptions, LockServerCounters, LockServerOptions, RpcName } from './server.js';
+export type { AcquireHints, BlockDescriptors, BlockResolver, ResolvedLease, CloseOptions, LockServerCounters, LockServerOptions, RpcName } from './server.js';
 export { LeaseTable, MAX_SPACE_BLOCKS, systemClock } from './lease-table.js';
 export type { AcquireParams, BlockSpace, Clock, LeaseCounters, LeaseEndReason, LeaseInfo, LeaseTableOptions, SweepStats } from './lease-table.js';
 export { ExpiryScheduler, systemTimers } from './expiry.js';

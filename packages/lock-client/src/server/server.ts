@@ -7,6 +7,7 @@ import { createServer as createNetServer, type Server as NetServer, type Socket 
 import * as grpc from '@grpc/grpc-js';
 import { InvalidInputError, ResourceExhaustedError, ownerProblem, silentLogger, type Logger } from '@tensorwire/core';
 import { Registry } from 'prom-client';
+import { transportsProblem } from '../hints.js';
 import { LeaseError, type LeaseStatus } from '../errors.js';
 import { LANE_MAX_FRAME_BYTES, LANE_SUPPORTED, LaneFrames, laneAddress, laneFrame } from '../lane.js';
 import {
@@ -45,7 +46,27 @@ export type BlockDescriptors = Uint8Array | readonly Uint8Array[];
  * lease of numbered blocks, `blockIds` are their ids (`block:<owner>:<n>`) and `lease.blocks`
  * has the numbers.
  */
-export type BlockResolver = (blockIds: readonly string[], lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>;
+export type BlockResolver = (blockIds: readonly string[], lease: LeaseInfo, hints: AcquireHints) => ResolvedLease | Promise<ResolvedLease>;
+
+/**
+ * What the requester's acquire said about how it will use the lease, for a resolver to honour
+ * or ignore. `transports`: the transports it will read the blocks through (checked names, at
+ * most `MAX_ACQUIRE_TRANSPORTS`, no duplicates; empty when it named none): a resolver
+ * that grants per lease may grant over these only (`engineGrants` does).
+ */
+export interface AcquireHints {
+  readonly transports: readonly string[];
+}
+
+const NO_HINTS: AcquireHints = Object.freeze({ transports: Object.freeze([]) as readonly string[] });
+
+/** The hints of an acquire request, or why they are refused. */
+export function acquireHints(transports: readonly unknown[] | undefined): AcquireHints | string {
+  if (transports === undefined || transports.length === 0) return NO_HINTS;
+  const problem = transportsProblem(transports);
+  if (problem !== undefined) return problem;
+  return Object.freeze({ transports: Object.freeze([...(transports as readonly string[])]) });
+}
 
 /**
  * What a resolver returns: one entry per block (request order), or descriptors for the whole
@@ -61,7 +82,7 @@ export interface LockServerOptions extends Omit<LeaseTableOptions, 'onEnd' | 'on
    * `lease.blockIds`; a lease by number (`lease.blocks`) then costs no id string unless the
    * resolver asks for them (`engineGrants` does not).
    */
-  readonly resolveLease?: (lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>;
+  readonly resolveLease?: (lease: LeaseInfo, hints: AcquireHints) => ResolvedLease | Promise<ResolvedLease>;
   /** A lease ended (released, expired, abandoned, shutdown): revoke its grants. Runs before the unpins it causes. */
   readonly revoke?: (lease: LeaseInfo, reason: LeaseEndReason) => void;
   /** Require `authorization: Bearer <token>` on every call. */
@@ -156,7 +177,7 @@ export class LockServer implements AsyncDisposable {
   readonly gc: ExpiryScheduler;
   /** The registry the metrics are on (the one passed in, or a private one). */
   readonly registry: Registry;
-  readonly #resolve: ((lease: LeaseInfo) => ResolvedLease | Promise<ResolvedLease>) | undefined;
+  readonly #resolve: ((lease: LeaseInfo, hints: AcquireHints) => ResolvedLease | Promise<ResolvedLease>) | undefined;
   readonly #logger: Logger;
   readonly #server: grpc.Server;
   readonly #tokenDigest: Buffer | undefined;
@@ -201,7 +222,7 @@ export class LockServer implements AsyncDisposable {
     this.#retryAfter.set(RETRY_AFTER_METADATA_KEY, String(Math.max(0, Math.round(options.retryAfterMs ?? 50))));
     if (options.resolve !== undefined && options.resolveLease !== undefined) throw new LeaseError('INVALID_ARGUMENT', 'give resolve or resolveLease, not both');
     const byIds = options.resolve;
-    this.#resolve = options.resolveLease ?? (byIds === undefined ? undefined : (lease) => byIds(lease.blockIds, lease));
+    this.#resolve = options.resolveLease ?? (byIds === undefined ? undefined : (lease, hints) => byIds(lease.blockIds, lease, hints));
     this.table = new LeaseTable({
       ...options,
       logger: this.#logger,
@@ -518,6 +539,11 @@ export class LockServer implements AsyncDisposable {
       this.#fail('acquire', cb, 'INVALID_ARGUMENT', 'give block ids or block numbers, not both');
       return;
     }
+    const hints = acquireHints(req.transports);
+    if (typeof hints === 'string') {
+      this.#fail('acquire', cb, 'INVALID_ARGUMENT', hints);
+      return;
+    }
     let lease: LeaseInfo;
     try {
       const blocks = byNumber ? { owner: req.blockOwner ?? '', numbers: Uint32Array.from(req.blockNumbers ?? []) } : req.blockIds;
@@ -535,7 +561,7 @@ export class LockServer implements AsyncDisposable {
     }
     let result: ResolvedLease | Promise<ResolvedLease>;
     try {
-      result = resolve(lease);
+      result = resolve(lease, hints);
     } catch (e) {
       this.#resolveFailed(cb, lease, e);
       return;
