@@ -185,6 +185,41 @@ describe('fetch: the transports its acquire names', () => {
     }
   });
 
+  it("a lease granted over one transport is readable through it alone: its grant under another transport's name is refused there, while a lease granted over both reads through either", async () => {
+    const h = await holder();
+    const client = new LockClient({ requesterId: 'req', logger: silentLogger });
+    const tcpEngine = new TransferEngine({ nodeId: 'req-tcp', transports: [new TcpTransport()], logger: silentLogger });
+    try {
+      const dst = new Uint8Array(2 * BLOCK);
+      const local = await tcpEngine.register({ kind: 'host', buffer: dst });
+      const read = (lease: LockGuard, transports: Map<string, Uint8Array>): Promise<unknown> => {
+        const f = decodeFetchDescriptor(lease.leaseDescriptors[0] as Uint8Array);
+        const remote = { ...decodeDescriptor(f.grant), transports };
+        return tcpEngine.read(f.endpoint, [0, 1].map((i) => ({ local, localOffset: i * BLOCK, remote, range: i, length: BLOCK })));
+      };
+      const both = await client.acquire(h.address, numbers(2, 2));
+      const bothGrant = decodeDescriptor(decodeFetchDescriptor(both.leaseDescriptors[0] as Uint8Array).grant);
+      await read(both, new Map([['tcp', bothGrant.transports.get('tcp') as Uint8Array]]));
+      expect(Buffer.compare(dst, h.region.subarray(2 * BLOCK, 4 * BLOCK))).toBe(0);
+      // The same lease's Unix-socket grant is no TCP grant.
+      await expect(read(both, new Map([['tcp', bothGrant.transports.get('uds') as Uint8Array]]))).rejects.toMatchObject({ name: 'RemoteRejectedError' });
+
+      const udsOnly = await client.acquire(h.address, numbers(2, 2), { transports: ['uds'] });
+      expect(granted(udsOnly)).toEqual(['uds']);
+      const udsGrant = decodeDescriptor(decodeFetchDescriptor(udsOnly.leaseDescriptors[0] as Uint8Array).grant);
+      dst.fill(0);
+      await expect(read(udsOnly, new Map([['tcp', udsGrant.transports.get('uds') as Uint8Array]]))).rejects.toMatchObject({ name: 'RemoteRejectedError' });
+      expect(dst.every((b) => b === 0)).toBe(true);
+      await udsOnly.release();
+      await both.release();
+      await allReleased(h, 2);
+    } finally {
+      await tcpEngine.close();
+      await client.close();
+      await h.close();
+    }
+  });
+
   it('the holder grants over the named transports that can grant the blocks, never more: unknown names, names its policy leaves out and names without a handle for the blocks are dropped; with none left, or when their grant fails, it grants its usual set', async () => {
     const acquireAndSee = async (h: Holder, client: LockClient, transports: readonly string[]): Promise<string[]> => {
       const g = await client.acquire(h.address, numbers(0, 2), { transports });
