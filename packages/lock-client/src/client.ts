@@ -885,6 +885,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       if (problem !== undefined) throw new InvalidInputError(problem, { details: { field: 'transports' } });
     }
 
+    const named = transports !== undefined && transports.length > 0 ? { transports: transports as string[] } : undefined;
+
     // One frozen copy serves the request (the codec only reads it) and the guard; numbers: one copy.
     const ids = numbered === undefined ? Object.freeze([...(blocks as readonly string[])]) : undefined;
     const acquireId = randomToken();
@@ -901,17 +903,8 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
           'acquire',
           'Acquire',
           numbered === undefined
-            ? { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true, ...(transports?.length ? { transports: transports as string[] } : {}) }
-            : {
-                requesterId: this.requesterId,
-                blockIds: [],
-                blockOwner: numbered.owner,
-                blockNumbers: numbered.numbers,
-                leaseMs: Math.floor(leaseMs),
-                acquireId,
-                omitEmptyBlocks: true,
-                ...(transports?.length ? { transports: transports as string[] } : {}),
-              },
+            ? { requesterId: this.requesterId, blockIds: ids as string[], leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true, ...named }
+            : { requesterId: this.requesterId, blockIds: [], blockOwner: numbered.owner, blockNumbers: numbered.numbers, leaseMs: Math.floor(leaseMs), acquireId, omitEmptyBlocks: true, ...named },
           Math.max(1, until - sentAt),
           signal,
           true,

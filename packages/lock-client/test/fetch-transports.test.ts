@@ -17,10 +17,12 @@ import {
   decodeEndpoint,
   encodeEndpoint,
   silentLogger,
+  type MemoryDescriptor,
+  type Registration,
   type Transport,
   type TransportRegistration,
 } from '@tensorwire/core';
-import { LockClient, decodeFetchDescriptor, type FetchGuard, type LockGuard } from '../src/index.js';
+import { LockClient, decodeFetchDescriptor, type FetchDestination, type FetchGuard, type LockGuard } from '../src/index.js';
 import type { AcquireResponseMsg, LockServiceClient } from '../src/proto.js';
 import { MAX_ACQUIRE_TRANSPORTS, engineGrants, loadLockProtocol } from '../src/server/index.js';
 import { fetchRequester, namingEndpoint, serveFetchHolder, waitFor, type FetchHolder, type FetchRequester } from './helpers.js';
@@ -68,9 +70,19 @@ function requester(): Promise<FetchRequester> {
   return fetchRequester({ blocks: BLOCKS, blockBytes: BLOCK, transports: () => [new UdsTransport(), new TcpTransport()] });
 }
 
+/** The grant descriptor a lease came with. */
+function grantOf(lease: LockGuard): MemoryDescriptor {
+  return decodeDescriptor(decodeFetchDescriptor(lease.leaseDescriptors[0] as Uint8Array).grant);
+}
+
 /** The transports a lease was granted over (its grant descriptor's), sorted. */
 function granted(lease: LockGuard): string[] {
-  return [...decodeDescriptor(decodeFetchDescriptor(lease.leaseDescriptors[0] as Uint8Array).grant).transports.keys()].sort();
+  return [...grantOf(lease).transports.keys()].sort();
+}
+
+/** Block i of a fetch into block i of `local`. */
+function destinationsIn(local: Registration, n: number): FetchDestination[] {
+  return Array.from({ length: n }, (_, i) => ({ local, offset: i * BLOCK, length: BLOCK }));
 }
 
 const numbers = (from: number, n: number): { owner: string; numbers: Uint32Array } => ({ owner: 'arena', numbers: Uint32Array.from({ length: n }, (_, i) => from + i) });
@@ -96,7 +108,7 @@ describe('fetch: the transports its acquire names', () => {
     const h = await holder();
     const r = await requester();
     try {
-      const destinations = Array.from({ length: 8 }, (_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+      const destinations = destinationsIn(r.local, 8);
       const leases: string[][] = [];
       for (let k = 0; k < 3; k++) {
         r.dst.fill(0);
@@ -130,7 +142,7 @@ describe('fetch: the transports its acquire names', () => {
     const h = await holder();
     const r = await requester();
     try {
-      const destinations = Array.from({ length: 4 }, (_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
+      const destinations = destinationsIn(r.local, 4);
       const first = await r.client.fetch(r.engine, h.address, numbers(0, 4), destinations);
       expect(first.transport).toBe('uds');
       await first.release();
@@ -160,18 +172,17 @@ describe('fetch: the transports its acquire names', () => {
   it('the name is learned per engine: one client fetching from one holder through two engines makes one acquire per fetch, each lease granted over its engine\'s transport', async () => {
     const h = await holder();
     const r = await requester();
-    const tcpEngine = new TransferEngine({ nodeId: 'req-tcp', transports: [new TcpTransport()], logger: silentLogger });
+    // Only its engine and destination: the fetches go through r's client.
+    const t = await fetchRequester({ name: 'req-tcp', blocks: 4, blockBytes: BLOCK });
     try {
-      const dst2 = new Uint8Array(4 * BLOCK);
-      const local2 = await tcpEngine.register({ kind: 'host', buffer: dst2 });
-      const viaBoth = Array.from({ length: 4 }, (_, i) => ({ local: r.local, offset: i * BLOCK, length: BLOCK }));
-      const viaTcp = Array.from({ length: 4 }, (_, i) => ({ local: local2, offset: i * BLOCK, length: BLOCK }));
+      const viaBoth = destinationsIn(r.local, 4);
+      const viaTcp = destinationsIn(t.local, 4);
       const seen: string[] = [];
       for (let k = 0; k < 3; k++) {
         const a = await r.client.fetch(r.engine, h.address, numbers(0, 4), viaBoth);
-        const b = await r.client.fetch(tcpEngine, h.address, numbers(4, 4), viaTcp);
+        const b = await r.client.fetch(t.engine, h.address, numbers(4, 4), viaTcp);
         seen.push(`${a.transport}:${granted(a.lease).join('+')}`, `${b.transport}:${granted(b.lease).join('+')}`);
-        expect(Buffer.compare(dst2, h.region.subarray(4 * BLOCK, 8 * BLOCK))).toBe(0);
+        expect(Buffer.compare(t.dst, h.region.subarray(4 * BLOCK, 8 * BLOCK))).toBe(0);
         await a.release();
         await b.release();
       }
@@ -179,7 +190,7 @@ describe('fetch: the transports its acquire names', () => {
       expect(h.server.counters().acquired).toBe(6);
       await allReleased(h, 6);
     } finally {
-      await tcpEngine.close();
+      await t.close();
       await r.close();
       await h.close();
     }
@@ -187,18 +198,16 @@ describe('fetch: the transports its acquire names', () => {
 
   it("a lease granted over one transport is readable through it alone: its grant under another transport's name is refused there, while a lease granted over both reads through either", async () => {
     const h = await holder();
-    const client = new LockClient({ requesterId: 'req', logger: silentLogger });
-    const tcpEngine = new TransferEngine({ nodeId: 'req-tcp', transports: [new TcpTransport()], logger: silentLogger });
+    const t = await fetchRequester({ name: 'req-tcp', blocks: 2, blockBytes: BLOCK });
     try {
-      const dst = new Uint8Array(2 * BLOCK);
-      const local = await tcpEngine.register({ kind: 'host', buffer: dst });
+      const { client, dst } = t;
       const read = (lease: LockGuard, transports: Map<string, Uint8Array>): Promise<unknown> => {
-        const f = decodeFetchDescriptor(lease.leaseDescriptors[0] as Uint8Array);
-        const remote = { ...decodeDescriptor(f.grant), transports };
-        return tcpEngine.read(f.endpoint, [0, 1].map((i) => ({ local, localOffset: i * BLOCK, remote, range: i, length: BLOCK })));
+        const remote = { ...grantOf(lease), transports };
+        const { endpoint } = decodeFetchDescriptor(lease.leaseDescriptors[0] as Uint8Array);
+        return t.engine.read(endpoint, [0, 1].map((i) => ({ local: t.local, localOffset: i * BLOCK, remote, range: i, length: BLOCK })));
       };
       const both = await client.acquire(h.address, numbers(2, 2));
-      const bothGrant = decodeDescriptor(decodeFetchDescriptor(both.leaseDescriptors[0] as Uint8Array).grant);
+      const bothGrant = grantOf(both);
       await read(both, new Map([['tcp', bothGrant.transports.get('tcp') as Uint8Array]]));
       expect(Buffer.compare(dst, h.region.subarray(2 * BLOCK, 4 * BLOCK))).toBe(0);
       // The same lease's Unix-socket grant is no TCP grant.
@@ -206,7 +215,7 @@ describe('fetch: the transports its acquire names', () => {
 
       const udsOnly = await client.acquire(h.address, numbers(2, 2), { transports: ['uds'] });
       expect(granted(udsOnly)).toEqual(['uds']);
-      const udsGrant = decodeDescriptor(decodeFetchDescriptor(udsOnly.leaseDescriptors[0] as Uint8Array).grant);
+      const udsGrant = grantOf(udsOnly);
       dst.fill(0);
       await expect(read(udsOnly, new Map([['tcp', udsGrant.transports.get('uds') as Uint8Array]]))).rejects.toMatchObject({ name: 'RemoteRejectedError' });
       expect(dst.every((b) => b === 0)).toBe(true);
@@ -214,8 +223,7 @@ describe('fetch: the transports its acquire names', () => {
       await both.release();
       await allReleased(h, 2);
     } finally {
-      await tcpEngine.close();
-      await client.close();
+      await t.close();
       await h.close();
     }
   });

@@ -177,6 +177,13 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     return out;
   };
 
+  /** What engineGrants grants over when the acquire named no transport it can use. */
+  const usual = options.transports ? { transports: options.transports } : {};
+  type Spec = Parameters<TransferEngine['grant']>[0];
+  /** The grant of `spec` over the `named` transports, else (none named, or their grant failed) over the usual set, of the spec `again()` gives. */
+  const grantOver = (spec: Spec, named: string[] | undefined, again: () => Spec): Promise<Grant> =>
+    named === undefined ? engine.grant(spec, usual) : engine.grant(spec, { transports: named }).catch(() => engine.grant(again(), usual));
+
   /** The grant of `blockIds`, or (undefined) of the lease's own numbered blocks. */
   const grantFor = async (blockIds: readonly string[] | undefined, lease: LeaseInfo, hints: AcquireHints | undefined): Promise<ResolvedLease> => {
     const sessionId = lease.sessionId;
@@ -188,18 +195,14 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
       const own = blockIds === undefined ? lease.blocks : undefined;
       const numbered = own === undefined ? undefined : spaces.get(own.owner);
       if (own !== undefined && numbered === undefined) throw new LeaseError('NOT_FOUND', `no numbered blocks of owner ${own.owner} on this holder`);
-      const usual = options.transports ? { transports: options.transports } : {};
       if (numbered !== undefined) {
         const spec = { registration: numbered.registration, blockBytes: numbered.blockBytes, base: numbered.base, blocks: (own as NumberedBlocks).numbers };
-        const named = namedTransports(hints, [numbered.registration]);
-        grant = named === undefined ? await engine.grant(spec, usual) : await engine.grant(spec, { transports: named }).catch(() => engine.grant(spec, usual));
+        grant = await grantOver(spec, namedTransports(hints, [numbered.registration]), () => spec);
       } else {
         const ids = blockIds ?? [];
         const { spec, registrations } = idSpec(ids, lease);
-        const named = namedTransports(hints, registrations);
-        // When the named transports' grant fails, the usual set's lays the lease out again (the
-        // scratch arrays may serve another lease by then).
-        grant = named === undefined ? await engine.grant(spec, usual) : await engine.grant(spec, { transports: named }).catch(() => engine.grant(idSpec(ids, lease).spec, usual));
+        // The scratch arrays may serve another lease by the time a second grant is made: it lays the lease out again.
+        grant = await grantOver(spec, namedTransports(hints, registrations), () => idSpec(ids, lease).spec);
       }
     } catch (e) {
       failed++;
@@ -226,7 +229,7 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
    * `engine.grant()` has returned its promise: the engine copies them first), and the distinct
    * registrations they lie in.
    */
-  const idSpec = (ids: readonly string[], lease: LeaseInfo): { spec: Parameters<TransferEngine['grant']>[0]; registrations: readonly Registration[] } => {
+  const idSpec = (ids: readonly string[], lease: LeaseInfo): { spec: Spec; registrations: readonly Registration[] } => {
     // One typed array for the whole lease: no object per block past the lookup.
     const registrations: Registration[] = [];
     const index = new Map<Registration, number>();
