@@ -16,7 +16,7 @@
  *   search backs off.
  * - A lane whose hello names another holder is refused by the client (UNAVAILABLE).
  * - The holder going away: calls in flight on the lane fail ConnectionBrokenError, the client
- *   goes back to gRPC and, a second later, finds the new holder's lane.
+ *   drops the lane (back to gRPC) and, a second or more later, finds the new holder's lane.
  * - Connections over `maxLaneConnections` are closed; `localLane: false` on either side, or
  *   `session: false` on the client, keeps every call on gRPC.
  */
@@ -290,7 +290,14 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
     const port = Number(slow.address.split(':')[1]);
     await slow.server.close({ graceMs: 0 });
     expect(await pending).toBeInstanceOf(ConnectionBrokenError);
-    // A new holder on the same address: gRPC (once the channel reconnects), its lane a second later.
+    // The lost lane is dropped with the call: the session is back on gRPC (the next stream it
+    // opens is a gRPC call), and the lane search may start again a second later.
+    const lost = c.sessionStats().get(slow.address);
+    expect(lost).toMatchObject({ lane: false, state: 'idle' });
+    // A new holder on the same address: the client reaches it (over gRPC once the channel
+    // reconnects) and then finds its lane. Whether the first acquire that succeeds is already on
+    // the new lane depends on how long the channel takes to reconnect (a search may be due by
+    // then), so only the outcome is checked: a lane opened after the loss, and every lease released.
     const again = await holder({ holderId: 'holder2' }, `127.0.0.1:${port}`);
     for (let tries = 0; ; tries++) {
       const g = await c.acquire(again.address, ['block:holder2:1'], { timeoutMs: 10_000 }).catch((e: unknown) => {
@@ -300,13 +307,12 @@ describe.skipIf(!LANE_SUPPORTED)('local lane', () => {
         await new Promise((r) => setTimeout(r, 100));
         continue;
       }
-      expect(c.sessionStats().get(again.address)?.lane).toBe(false);
       await g.release();
       break;
     }
     await onLane(c, again.address);
     await (await c.acquire(again.address, ['block:holder2:1'])).release();
-    expect(c.sessionStats().get(again.address)?.lane).toBe(true);
+    expect(c.sessionStats().get(again.address)).toMatchObject({ lane: true, lanesOpened: (lost?.lanesOpened ?? 0) + 1 });
     expect(again.server.counters()).toMatchObject({ released: again.server.counters().acquired, active: 0 });
   });
 
