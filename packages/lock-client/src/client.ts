@@ -800,10 +800,15 @@ export class LockClient extends EventEmitter<LockClientEvents> implements AsyncD
       return g;
     };
     if (named === undefined) return fetchBlocks(acquire, engine, holder, blocks, destinations, options, closing).then(learn);
+    // The second try's acquire gets what is left of the first one's timeoutMs, not a fresh one:
+    // the timeout bounds the fetch's acquiring as a whole (an absolute `deadline` bounds both anyway).
+    const until = now() + (options.timeoutMs ?? this.#opts.defaultTimeoutMs ?? 10_000);
     return fetchBlocks(acquire, engine, holder, blocks, destinations, { ...options, transports: named }, closing).then(learn, (e: unknown) => {
       byHolder.delete(holder);
       if (!(e instanceof InvalidInputError && e.details['field'] === 'remote') || this.#isClosing) throw e;
-      return fetchBlocks(acquire, engine, holder, blocks, destinations, options, closing).then(learn);
+      const left = until - now();
+      if (!(left > 0)) throw new TimedOutError(`fetch from ${holder}: its timeoutMs ran out before the acquire with the holder's usual grant`, { cause: e });
+      return fetchBlocks(acquire, engine, holder, blocks, destinations, { ...options, timeoutMs: left }, closing).then(learn);
     });
   }
 

@@ -11,6 +11,7 @@ import {
   InvalidInputError,
   ResourceExhaustedError,
   TcpTransport,
+  TimedOutError,
   TransferEngine,
   UdsTransport,
   decodeDescriptor,
@@ -42,6 +43,8 @@ interface Holder extends FetchHolder {
   named: string[][];
   /** 'tcp': lease descriptors name the holder's engine with its TCP transport only (as after a restart without the other). */
   advertise: 'all' | 'tcp';
+  /** Each lease is granted this many ms after its acquire reaches the resolver (0: at once). */
+  delayMs: number;
 }
 
 async function holder(options: { transports?: () => Transport[]; register?: readonly string[]; policy?: readonly string[] } = {}): Promise<Holder> {
@@ -57,12 +60,13 @@ async function holder(options: { transports?: () => Transport[]; register?: read
     return encodeEndpoint({ identity: ep.identity, transports: new Map([['tcp', ep.transports.get('tcp') as Uint8Array]]) });
   });
   const served = await serveFetchHolder(engine, region, grants, {
-    resolveLease: (lease, hints) => {
+    resolveLease: async (lease, hints) => {
       named.push([...hints.transports]);
+      if ((self.h?.delayMs ?? 0) > 0) await new Promise((r) => setTimeout(r, self.h?.delayMs));
       return resolveLease(lease, hints);
     },
   });
-  self.h = Object.assign(served, { named, advertise: 'all' as 'all' | 'tcp' });
+  self.h = Object.assign(served, { named, advertise: 'all' as 'all' | 'tcp', delayMs: 0 });
   return self.h;
 }
 
@@ -163,6 +167,40 @@ describe('fetch: the transports its acquire names', () => {
       // Four leases: the stale one released when its read was refused.
       expect(h.server.counters().acquired).toBe(4);
       await allReleased(h, 4);
+    } finally {
+      await r.close();
+      await h.close();
+    }
+  });
+
+  it("the fetch made once more gets what is left of its timeoutMs, not a fresh one: TimedOutError when its acquire would need more, and every lease released", async () => {
+    const h = await holder();
+    const r = await requester();
+    try {
+      const destinations = destinationsIn(r.local, 4);
+      await (await r.client.fetch(r.engine, h.address, numbers(0, 4), destinations)).release();
+      h.advertise = 'tcp';
+      // Each grant now takes 400 ms: the first try's acquire uses 400 of the fetch's 600 ms, its
+      // read is refused (no TCP grant), and the second try's acquire has under 200 ms left.
+      h.delayMs = 400;
+      const failed = await r.client.fetch(r.engine, h.address, numbers(4, 4), destinations, { timeoutMs: 600 }).catch((e: unknown) => e);
+      expect(failed).toBeInstanceOf(TimedOutError);
+      expect(h.named).toEqual([[], ['uds'], []]);
+      // With time enough, the same fetch succeeds through TCP.
+      r.dst.fill(0);
+      const ok = await r.client.fetch(r.engine, h.address, numbers(4, 4), destinations, { timeoutMs: 5_000 });
+      expect(ok.transport).toBe('tcp');
+      landed(h, r, 4, 4);
+      await ok.release();
+      // The timed-out acquire's lease ended at the holder (the client released it by its acquire
+      // id) while the holder's resolver still waited, before it asked engineGrants for the
+      // grant: no grant is left live for it.
+      await waitFor(() => h.server.counters().active === 0, 'leases released');
+      await h.grants.settled();
+      const g = h.grants.counters();
+      expect(g).toMatchObject({ revoked: g.issued, live: 0, failed: 0 });
+      const c = h.server.counters();
+      expect(c.acquired).toBe(c.released + c.expired + c.active);
     } finally {
       await r.close();
       await h.close();

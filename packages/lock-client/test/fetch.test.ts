@@ -284,6 +284,29 @@ describe('fetch: lease + grant + read + release as one call', () => {
     expect(engine.liveGrants).toBe(0);
     await engine.close();
   });
+
+  it("a lease that ended before engineGrants was asked (a holder's resolver that awaited first) gets no grant; one that ends while it is made has its grant revoked", async () => {
+    const engine = new TransferEngine({ nodeId: 'h3', transports: [new TcpTransport()], logger: silentLogger });
+    const registration = await engine.register({ kind: 'host', buffer: new Uint8Array(BLOCK) });
+    const grants = engineGrants({ engine, blocks: () => ({ registration, offset: 0, length: BLOCK }) });
+    type Lease = Parameters<EngineGrants['resolve']>[1];
+    // What the lease table does when a lease ends: `live` turns false, then the revoke hook runs,
+    // here before the grant was asked for, so engineGrants has nothing of the lease yet.
+    const early = { sessionId: 'session:h3:early', requesterId: 'r', blockIds: ['block:kv:0'], live: true } as unknown as Lease & { live: boolean };
+    early.live = false;
+    grants.revoke(early, 'released');
+    await expect(grants.resolve(['block:kv:0'], early)).rejects.toMatchObject({ status: 'ABORTED' });
+    expect(grants.counters()).toMatchObject({ issued: 0, live: 0 });
+    // Ended while the grant is being made, its revoke hook gone by before (not pending there).
+    const during = { sessionId: 'session:h3:during', requesterId: 'r', blockIds: ['block:kv:0'], live: true } as unknown as Lease & { live: boolean };
+    const pending = grants.resolve(['block:kv:0'], during);
+    during.live = false;
+    await expect(pending).rejects.toMatchObject({ status: 'ABORTED' });
+    await grants.settled();
+    expect(grants.counters()).toMatchObject({ issued: 1, revoked: 1, live: 0 });
+    expect(engine.liveGrants).toBe(0);
+    await engine.close();
+  });
 });
 
 /** A TCP relay to `target` that can hold back what the far side sends (the holder's answers) and let it through later. */

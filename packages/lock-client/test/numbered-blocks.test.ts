@@ -324,6 +324,7 @@ describe('numbered block spaces: leased and fetched over gRPC', () => {
       acquiredAt: 0,
       deadline: 1e15,
       leaseMs: 1000,
+      live: true,
     };
     const resolved = await g.lockServerOptions.resolveLease(lease);
     expect((resolved as { lease: readonly Uint8Array[] }).lease).toHaveLength(1);

@@ -184,9 +184,14 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
   const grantOver = (spec: Spec, named: string[] | undefined, again: () => Spec): Promise<Grant> =>
     named === undefined ? engine.grant(spec, usual) : engine.grant(spec, { transports: named }).catch(() => engine.grant(again(), usual));
 
+  /** The lease ended (the lease table's `live`; a LeaseInfo made elsewhere without it counts as live). */
+  const ended = (lease: LeaseInfo): boolean => lease.live === false;
   /** The grant of `blockIds`, or (undefined) of the lease's own numbered blocks. */
   const grantFor = async (blockIds: readonly string[] | undefined, lease: LeaseInfo, hints: AcquireHints | undefined): Promise<ResolvedLease> => {
     const sessionId = lease.sessionId;
+    // A resolver of the holder's that awaited something before asking for this grant may ask
+    // after the lease ended, when its `revoke` has come and gone: no grant for it.
+    if (ended(lease)) throw new LeaseError('ABORTED', `lease ${sessionId} ended before its grant was asked for`);
     slots.set(sessionId, { state: 'pending' });
     let grant: Grant;
     try {
@@ -214,7 +219,7 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     }
     issued++;
     const slot = slots.get(sessionId);
-    if (slot?.state !== 'pending') {
+    if (slot?.state !== 'pending' || ended(lease)) {
       // The lease ended while the grant was being made: it must not outlive it.
       slots.delete(sessionId);
       revokeGrant(sessionId, grant);

@@ -61,6 +61,13 @@ export interface LeaseInfo {
    * hook; filled in as the blocks are pinned.
    */
   readonly pinValues?: readonly unknown[];
+  /**
+   * False once the lease has ended (released, expired, abandoned, shutdown). The `revoke` hook
+   * runs when it ends, possibly while a resolver is still working on it: a resolver that
+   * grants after this turned false must revoke that grant itself (`engineGrants` does, and
+   * grants nothing for a lease that ended before it was asked).
+   */
+  readonly live: boolean;
 }
 
 /** Why a lease ended. `released` and `abandoned` count as released; `expired` and `shutdown` as expired. */
