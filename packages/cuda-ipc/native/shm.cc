@@ -851,6 +851,12 @@ bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_
       same = __atomic_load_n(gen, __ATOMIC_RELAXED) == g1;
     }
     if (same) {
+      // A slot its owner freed (state no longer live) is refused, never read: its name may
+      // stand for a new slot by now (SeqCheck's rule, after the copies like the re-check).
+      if (__atomic_load_n(AtomicAt<uint32_t>(in.segments[s].base, off::state), __ATOMIC_ACQUIRE) != kStateLive) {
+        f->segment = static_cast<int64_t>(s);
+        return Fail(f, kRemoteRejected, "gone", "the pool slot was freed by its owner");
+      }
       *generation_out = g1;
       return true;
     }
@@ -975,6 +981,12 @@ bool CheckBatchTables(const BatchInput& in, BatchFailure* f) {
     if (!st.ok()) {
       f->segment = static_cast<int64_t>(s);
       return Fail(f, st.code, "", "segment " + std::to_string(s) + ": " + st.message);
+    }
+    if (m.state != kStateLive) {
+      // Freed by its owner before the batch: refused before any byte moves (one freed during
+      // the copies is refused after them, SeqCopySegment).
+      f->segment = static_cast<int64_t>(s);
+      return Fail(f, kRemoteRejected, "gone", "segment " + std::to_string(s) + ": slot " + m.id + " was freed by its owner");
     }
   }
   for (size_t r = 0; r < in.n_remotes; r++) {

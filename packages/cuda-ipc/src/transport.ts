@@ -1323,6 +1323,12 @@ class CudaIpcConnection implements TransportConnection {
   /** A data segment of the peer, mapped once per connection (RemoteRejectedError `gone`). */
   #mapData(name: string): ArrayBuffer {
     let m = this.#data.get(name);
+    if (m !== undefined && native.loadState(m) !== SegmentState.Live) {
+      // Its owner freed the segment since it was mapped: the name may stand for a new one now
+      // (a pool made again under the same owner numbers its slots from 1 again). Map it again.
+      this.#data.delete(name);
+      m = undefined;
+    }
     if (!m) {
       try {
         m = native.shmOpen(name, MAX_SEGMENT_BYTES);
@@ -1448,6 +1454,8 @@ export class CudaIpcTransport implements Transport {
   /** Live range grants (not yet revoked), and revocations still draining. */
   readonly #rangeGrants = new Set<RangeGrant>();
   readonly #draining = new Set<Promise<void>>();
+  /** Range grants revoked while a peer batch was inside them, until it left (or the wait timed out). */
+  readonly #drainingGrants = new Set<RangeGrant>();
   #closed: Promise<void> | undefined;
 
   constructor(options: CudaIpcTransportOptions = {}) {
@@ -1751,6 +1759,8 @@ export class CudaIpcTransport implements Transport {
       // nothing may reach the memory through them afterwards.
       const dependents: Promise<void>[] = [];
       for (const g of this.#rangeGrants) if (g.handles.includes(handle)) dependents.push(this.revokeGrant(g));
+      // And those revoked before whose peer batches are still inside: they may still copy the memory.
+      for (const g of this.#drainingGrants) if (g.handles.includes(handle)) dependents.push(g.revoked as Promise<void>);
       handle.revokedRanges = Promise.all(dependents).then(() => {
         for (const t of handle.tables ?? []) t.detach(handle.segment as GrantedSegment);
         handle.tables = undefined;
@@ -1921,7 +1931,11 @@ export class CudaIpcTransport implements Transport {
       this.#freeRange(g);
     })();
     this.#draining.add(p);
-    void p.finally(() => this.#draining.delete(p));
+    this.#drainingGrants.add(g);
+    void p.finally(() => {
+      this.#draining.delete(p);
+      this.#drainingGrants.delete(g);
+    });
     return p;
   }
 

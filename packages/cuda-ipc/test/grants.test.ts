@@ -806,3 +806,127 @@ describe('cuda-ipc range grants', () => {
     }
   });
 });
+
+describe('cuda-ipc: a freed pool slot is never read', () => {
+  it('a pool made again under the same owner: a grant over its slot 1 reads the new slot, not the old one through a mapping cached under the same name', async () => {
+    const owner = uniqueOwner('gre');
+    const a = await engine();
+    const b = await engine();
+    const N = 4096;
+    const dst = new Uint8Array(N);
+    const ra = await a.register({ kind: 'host', buffer: dst });
+    const first = new TensorPool({ owner });
+    const id1 = await first.register({ dtype: 'uint8', shape: [N] });
+    first.writeSync(id1, new Uint8Array(N).fill(0x11));
+    const v1 = first.readSync(id1);
+    const reg1 = await b.register({ kind: 'host', buffer: v1.buffer as Uint8Array });
+    const g1 = await b.grant([{ registration: reg1, offset: 0, length: N }]);
+    await a.read(b.endpoint(), [{ local: ra, remote: g1.descriptor, range: 0, length: N }]);
+    expect(dst[0]).toBe(0x11);
+    await g1.revoke();
+    await reg1.revoke();
+    v1.dispose();
+    await first.close();
+    const second = new TensorPool({ owner });
+    const id2 = await second.register({ dtype: 'uint8', shape: [N] });
+    expect(id2).toBe(id1); // the same id, so the same segment name
+    second.writeSync(id2, new Uint8Array(N).fill(0x22));
+    const v2 = second.readSync(id2);
+    try {
+      const reg2 = await b.register({ kind: 'host', buffer: v2.buffer as Uint8Array });
+      const g2 = await b.grant([{ registration: reg2, offset: 0, length: N }]);
+      dst.fill(0);
+      await a.read(b.endpoint(), [{ local: ra, remote: g2.descriptor, range: 0, length: N }]);
+      expect(dst.every((x) => x === 0x22)).toBe(true);
+      dst.fill(0);
+      await a.read(b.endpoint(), [{ local: ra, remote: reg2.descriptor, length: N }]);
+      expect(dst.every((x) => x === 0x22)).toBe(true);
+      await g2.revoke();
+      await reg2.revoke();
+    } finally {
+      v2.dispose();
+      await second.close();
+    }
+  });
+
+  it('a slot freed under a live registration: the next post of a prepared read of it is refused (RemoteRejectedError gone), no byte lands', async () => {
+    const a = await engine();
+    const b = await engine();
+    const N = 4096;
+    const dst = new Uint8Array(N);
+    const ra = await a.register({ kind: 'host', buffer: dst });
+    const pool = new TensorPool({ owner: uniqueOwner('grf') });
+    const id = await pool.register({ dtype: 'uint8', shape: [N] });
+    pool.writeSync(id, new Uint8Array(N).fill(0x33));
+    const view = pool.readSync(id);
+    const reg = await b.register({ kind: 'host', buffer: view.buffer as Uint8Array });
+    const prepared = await a.prepare(b.endpoint(), [{ local: ra, remote: reg.descriptor, length: N }], { op: 'read' });
+    try {
+      await prepared.run();
+      expect(dst[0]).toBe(0x33);
+      dst.fill(0);
+      await pool.free(id);
+      const e = await prepared.run().catch((x: unknown) => x);
+      expect(e).toBeInstanceOf(RemoteRejectedError);
+      expect((e as RemoteRejectedError).remoteCode).toBe('gone');
+      expect(dst.every((x) => x === 0)).toBe(true);
+    } finally {
+      await prepared[Symbol.asyncDispose]();
+      view.dispose();
+      await reg.revoke();
+      await pool.close();
+    }
+  });
+});
+
+describe('cuda-ipc: revoking a registration waits for its range grants to drain', () => {
+  /** Whether `p` settles within `ms`. */
+  const settlesWithin = async (p: Promise<unknown>, ms: number): Promise<boolean> => {
+    let done = false;
+    void p.then(
+      () => (done = true),
+      () => (done = true),
+    );
+    await new Promise((r) => setTimeout(r, ms));
+    return done;
+  };
+
+  for (const via of ['engine', 'transport'] as const) {
+    it(`a range grant revoked earlier, a peer batch still inside it: the registration's revoke waits for that batch (${via})`, async () => {
+      const transport = new CudaIpcTransport({ revokeTimeoutMs: 5_000 });
+      const b = await engine(transport);
+      const region = allocateSharedMemory(4096, `gdr${via}`);
+      // Through the engine, or the transport's own calls (a caller that revokes in another order than the engine).
+      let p: Uint8Array;
+      let revokeGrant: () => Promise<void>;
+      let revokeRegistration: () => Promise<void>;
+      if (via === 'engine') {
+        const reg = await b.register({ kind: 'host', buffer: region });
+        const g = await b.grant([{ registration: reg, offset: 0, length: 100 }]);
+        p = payloadOf(g.descriptor);
+        revokeGrant = () => g.revoke();
+        revokeRegistration = () => reg.revoke();
+      } else {
+        const reg = await transport.register({ kind: 'host', buffer: region });
+        const g = transport.grant({ handles: [reg.handle], count: 1, bytes: 100, ranges: Float64Array.of(0, 0, 100) });
+        p = g.payload;
+        revokeGrant = () => transport.revokeGrant(g.handle);
+        revokeRegistration = () => transport.revoke(reg.handle);
+      }
+      const f = fields(p);
+      const mapping = native.shmOpen(f.table, 2 ** 33);
+      const recordAt = 4096 + f.record * 64;
+      // A peer batch inside the grant (what a reader's copy does), held there by the test.
+      expect(native.recordEnter(mapping, recordAt, f.generation, p.slice(f.at.token, f.at.token + 16))).toBe(0);
+      const grantRevoked = revokeGrant();
+      expect(await settlesWithin(grantRevoked, 50)).toBe(false);
+      const regRevoked = revokeRegistration();
+      const early = await settlesWithin(regRevoked, 200);
+      native.recordLeave(mapping, recordAt);
+      await Promise.all([grantRevoked, regRevoked]);
+      releaseSharedMemory(region);
+      expect(early).toBe(false);
+      await b.close();
+    });
+  }
+});
