@@ -5,6 +5,7 @@
  * messages that name the range.
  */
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { InvalidInputError } from '../src/errors.js';
 import * as kitFrames from '../src/kit/frames.js';
 import { GrantEntry, GrantTable } from '../src/kit/grants.js';
 import * as tcpFrames from '../src/tcp/frames.js';
@@ -121,5 +122,48 @@ describe('tcp grant check: frame bounds, data lengths, unused tokens, messages',
     // And afterwards the connection still serves (nothing was left pinned or broken).
     const [h] = await ask(holder, [encodeReadvReq(9, [grant.payload], [{ token: 0, range: 0, offset: 50, length: 50 }])]);
     expect(Buffer.compare(h!.body, Buffer.from(mem.subarray(50, 100)))).toBe(0);
+  });
+});
+
+describe('tcp grants made by a direct call of the transport (not through the engine, which checks every range)', () => {
+  let holder: Awaited<ReturnType<typeof holderNode>>;
+  beforeAll(async () => {
+    holder = await holderNode('direct-tcp', { maxChunkBytes: MAX });
+  });
+  afterAll(async () => {
+    await holder.t.close();
+  });
+
+  it('a block grant naming a block past its registration is refused (InvalidInputError naming the index); one inside it is made', async () => {
+    const reg = await holder.t.register({ kind: 'host', buffer: new Uint8Array(3000) });
+    const spec = (indices: number[]) => ({ handles: [reg.handle], count: indices.length, bytes: indices.length * 1024, blocks: { base: 0, blockBytes: 1024, indices: Uint32Array.from(indices) }, ranges: new Float64Array(0) });
+    // 3000 bytes hold blocks 0 and 1 of 1,024 bytes whole; block 2 would end at 3,072.
+    expect(() => holder.t.grant(spec([0, 2]))).toThrow(InvalidInputError);
+    expect(() => holder.t.grant(spec([0, 2]))).toThrow(/block 2 \(index 1\)/);
+    const ok = holder.t.grant(spec([1, 0]));
+    await holder.t.revokeGrant(ok.handle);
+    await holder.t.revoke(reg.handle);
+  });
+
+  it('a range grant reaching past its registration: a read of it is refused OUT_OF_BOUNDS and nothing past the registration is sent, even with a read of other memory pipelined behind it', async () => {
+    const mem = new Uint8Array(3000).fill(0x11);
+    const other = new Uint8Array(4096).fill(0x5a);
+    const reg = await holder.t.register({ kind: 'host', buffer: mem });
+    const otherReg = await holder.t.register({ kind: 'host', buffer: other });
+    // Granted bytes 2048..4096 of a 3000-byte registration: 1048 of them do not exist.
+    const g = holder.t.grant({ handles: [reg.handle], count: 1, bytes: 2048, ranges: Float64Array.of(0, 2048, 2048) });
+    const frames = await ask(holder, [encodeReadvReq(1, [g.payload], [{ token: 0, range: 0, offset: 0, length: 2048 }]), encodeReadvReq(2, [otherReg.payload], [{ token: 0, range: 0, offset: 0, length: 4096 }])]);
+    expect(frames[0]?.type).toBe(FrameType.Error);
+    expect(decodeError(frames[0]?.body as Buffer)).toMatchObject({ code: 'OUT_OF_BOUNDS', range: 0 });
+    // The read behind it gets exactly its own bytes.
+    expect(frames[1]?.type).toBe(FrameType.ReadvData);
+    expect(Buffer.compare(frames[1]?.body as Buffer, Buffer.from(other))).toBe(0);
+    // Inside the registration the same grant serves its bytes.
+    const inside = await ask(holder, [encodeReadvReq(3, [g.payload], [{ token: 0, range: 0, offset: 0, length: 952 }])]);
+    expect(inside[0]?.type).toBe(FrameType.ReadvData);
+    expect(Buffer.compare(inside[0]?.body as Buffer, Buffer.from(mem.subarray(2048)))).toBe(0);
+    await holder.t.revokeGrant(g.handle);
+    await holder.t.revoke(reg.handle);
+    await holder.t.revoke(otherReg.handle);
   });
 });

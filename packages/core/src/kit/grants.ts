@@ -19,6 +19,7 @@ import { randomFillSync } from 'node:crypto';
 import { toHex } from '../codec.js';
 import { deferred, type Deferred } from '../deferred.js';
 import { ClosedError, InvalidInputError } from '../errors.js';
+import { engineCheckedBlocks } from '../grant-check.js';
 import { GRANT_STRIDE, GrantField, type GrantBlocks, type GrantRanges, type Memory, type MemoryKind, type TransportRegistration } from '../transport.js';
 import { NO_RANGE, RANGE_ENTRY_BYTES, TOKEN_BYTES, headRangeAt, headRangeCount, headTokenAt, headTokenCount, rangeGrantIndex, rangeLength, rangeOffset, rangeTokenIndex } from './frames.js';
 
@@ -284,6 +285,16 @@ export class GrantTable {
       if (!this.isLive(h)) throw new InvalidInputError(`handles[${k}] is not a live ${this.transport} registration of this transport`, { details: { field: 'handles', registration: k } });
       return h;
     });
+    if (blocks !== undefined && !engineCheckedBlocks(spec)) {
+      // Not the engine's checked spec (a direct call): every index must name a whole block of the registration.
+      const fit = Math.floor(((regs[0] as LocalRegistration).buffer.byteLength - blocks.base) / blocks.blockBytes);
+      const { indices } = blocks;
+      for (let k = 0; k < count; k++) {
+        if (!((indices[k] as number) < fit)) {
+          throw new InvalidInputError(`block ${indices[k]} (index ${k}) is not a whole block of the registration (${Math.max(0, fit)} blocks of ${blocks.blockBytes} bytes from ${blocks.base})`, { details: { field: 'blocks', range: k } });
+        }
+      }
+    }
     const g = new RangeGrant(this, regs, spec);
     for (const r of regs) r.grants.add(g);
     this.#tokens.set(g.key, g);
@@ -390,6 +401,12 @@ export class GrantTable {
       if (off + len > rangeLen) {
         const what = e instanceof LocalRegistration ? `the registration of ${rangeLen} bytes` : `granted range ${k} of ${rangeLen} bytes`;
         return { code: GrantRefusalCode.OutOfBounds, message: `range ${i}: ${off}+${len} exceeds ${what}`, range: i };
+      }
+      // And inside the memory itself: a grant made by a direct call of the transport (not
+      // through the engine, which checks every range against its registration) is served only
+      // where its registration's bytes are, never past them.
+      if (grantedOffset(e, k) + off + len > grantedBuffer(e, k).length) {
+        return { code: GrantRefusalCode.OutOfBounds, message: `range ${i}: granted range ${k} lies outside its registration`, range: i };
       }
       total += len;
       if (total > maxTotal) return { code: GrantRefusalCode.TooLarge, message: `range ${i}: the frame asks for more than ${maxTotal} bytes`, range: i };
