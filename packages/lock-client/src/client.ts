@@ -280,9 +280,14 @@ function mayHaveGranted(error: TensorwireError): boolean {
     code === grpc.status.UNAVAILABLE ||
     code === grpc.status.CANCELLED ||
     code === grpc.status.UNKNOWN ||
-    code === grpc.status.INTERNAL
+    code === grpc.status.INTERNAL ||
+    // An answer over a message-size limit (the client's receive limit, or the holder's send
+    // limit): grpc-js reports it as RESOURCE_EXHAUSTED, but the holder granted the lease.
+    (code === grpc.status.RESOURCE_EXHAUSTED && MESSAGE_TOO_LARGE.test(error.message))
   );
 }
+/** grpc-js's words for a message over `grpc.max_receive_message_length` / `grpc.max_send_message_length`. */
+const MESSAGE_TOO_LARGE = /message larger than max/i;
 
 /** Everything about a lease, held by the client; deliberately holds no reference to its guard. */
 interface LeaseRecord {

@@ -192,6 +192,8 @@ export function engineGrants(options: EngineGrantsOptions): EngineGrants {
     // A resolver of the holder's that awaited something before asking for this grant may ask
     // after the lease ended, when its `revoke` has come and gone: no grant for it.
     if (ended(lease)) throw new LeaseError('ABORTED', `lease ${sessionId} ended before its grant was asked for`);
+    // One grant per lease: `revoke` ends the one grant it knows of, so a second would outlive it.
+    if (slots.has(sessionId)) throw new LeaseError('INTERNAL', `lease ${sessionId} already has its grant (the holder's resolver asked engineGrants twice)`);
     slots.set(sessionId, { state: 'pending' });
     let grant: Grant;
     try {

@@ -673,10 +673,13 @@ export class LockServer implements AsyncDisposable {
     try {
       lease = this.table.renew(req.requesterId, req.sessionId, req.leaseMs);
     } catch (e) {
+      // The renew swept the leases past their deadline first: the last one may have ended here.
+      this.#checkDrained();
       const { status, message } = hookStatus(e);
       this.#fail('renew', cb, status, message);
       return;
     }
+    this.#checkDrained();
     this.gc.notify();
     cb(null, { deadlineUnixMs: Math.round(lease.deadline), leaseMs: lease.leaseMs });
   }
@@ -759,6 +762,8 @@ export class LockServer implements AsyncDisposable {
         errors.push({ index: i, code: grpc.status[status], message });
       }
     }
+    // Each renew swept the leases past their deadline first: the last one may have ended here.
+    this.#checkDrained();
     this.gc.notify();
     cb(null, { deadlineUnixMs: deadlines, leaseMs, errors });
   }
