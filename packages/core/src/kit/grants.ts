@@ -256,7 +256,9 @@ export class GrantTable {
   /**
    * Grant access to ranges of registrations: one token and one entry for all of them. The range
    * table is kept by reference (validated by the engine: ranges inside their registrations,
-   * non-empty, non-overlapping); nothing is done per range. The payload is the token alone.
+   * non-empty, non-overlapping); nothing is done per range. A block spec the engine did not make
+   * (a direct call) has its indices checked here, and whoever made the grant, `check` refuses a
+   * range outside its registration's memory when it is used. The payload is the token alone.
    */
   grant(spec: GrantRanges): TransportRegistration {
     if (this.#closed) throw new ClosedError(`${this.transport} transport is closed`);
