@@ -154,10 +154,18 @@ describe('tcp grants made by a direct call of the transport (not through the eng
     const g = holder.t.grant({ handles: [reg.handle], count: 1, bytes: 2048, ranges: Float64Array.of(0, 2048, 2048) });
     const frames = await ask(holder, [encodeReadvReq(1, [g.payload], [{ token: 0, range: 0, offset: 0, length: 2048 }]), encodeReadvReq(2, [otherReg.payload], [{ token: 0, range: 0, offset: 0, length: 4096 }])]);
     expect(frames[0]?.type).toBe(FrameType.Error);
-    expect(decodeError(frames[0]?.body as Buffer)).toMatchObject({ code: 'OUT_OF_BOUNDS', range: 0 });
+    expect(decodeError(frames[0]?.body as Buffer)).toMatchObject({ code: 'OUT_OF_BOUNDS', range: 0, message: 'range 0: granted range 0 lies outside its registration' });
     // The read behind it gets exactly its own bytes.
     expect(frames[1]?.type).toBe(FrameType.ReadvData);
     expect(Buffer.compare(frames[1]?.body as Buffer, Buffer.from(other))).toBe(0);
+    // A range of it that starts inside the registration and ends past it, behind one that is served: refused, naming it.
+    const across = await ask(holder, [
+      encodeReadvReq(4, [g.payload, otherReg.payload], [
+        { token: 1, range: 0, offset: 0, length: 16 },
+        { token: 0, range: 0, offset: 100, length: 900 },
+      ]),
+    ]);
+    expect(decodeError(across[0]?.body as Buffer)).toMatchObject({ code: 'OUT_OF_BOUNDS', range: 1, message: 'range 1: granted range 0 lies outside its registration' });
     // Inside the registration the same grant serves its bytes.
     const inside = await ask(holder, [encodeReadvReq(3, [g.payload], [{ token: 0, range: 0, offset: 0, length: 952 }])]);
     expect(inside[0]?.type).toBe(FrameType.ReadvData);
