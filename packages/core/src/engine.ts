@@ -940,6 +940,8 @@ export class TransferEngine {
   async register(memory: Memory, options: { transports?: readonly string[] } = {}): Promise<Registration> {
     this.#assertOpen();
     await this.start();
+    // close() may have run while start() was awaited (a first call racing close()).
+    this.#assertOpen();
     this.#validateMemory(memory);
     const wanted = options.transports ?? [...this.#transports.keys()];
     const entries = new Map<string, RegistrationEntry>();
@@ -1196,6 +1198,8 @@ export class TransferEngine {
   async connect(peer: Uint8Array | PeerEndpoint, options: TransferOptions & { memoryKind?: MemoryKind } = {}): Promise<ConnectionInfo> {
     this.#assertOpen();
     await this.start();
+    // close() may have run while start() was awaited (a first call racing close()).
+    this.#assertOpen();
     const ep = this.#peer(peer);
     const ex = this.#explain(ep, [options.memoryKind ?? 'host']);
     if (!ex.chosen) throw new BackendUnavailableError(ex.reason, { details: { peer: ep.identity.nodeId } });
@@ -1376,6 +1380,8 @@ export class TransferEngine {
   ): Promise<TransferReport> {
     this.#assertOpen();
     await this.start();
+    // close() may have run while start() was awaited (a first call racing close()).
+    this.#assertOpen();
     const plan = this.#plan(op, peerArg, requests);
     const dl = this.#deadlineSignal(options);
     const signal = dl.signal;
@@ -1410,6 +1416,8 @@ export class TransferEngine {
   async prepare(peer: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[], options: PrepareOptions): Promise<PreparedTransfer> {
     this.#assertOpen();
     await this.start();
+    // close() may have run while start() was awaited (a first call racing close()).
+    this.#assertOpen();
     const op = options?.op;
     if (op !== 'read' && op !== 'write') throw new InvalidInputError(`options.op must be 'read' or 'write', got ${String(op)}`, { details: { field: 'op' } });
     const plan = this.#plan(op, peer, requests);

@@ -195,6 +195,57 @@ describe('transfer engine', () => {
     await b.close();
   });
 
+  it('a read issued in the same turn as close() fails ClosedError at once, not at the connect timeout, and leaves no connection', async () => {
+    const a = new TransferEngine({ nodeId: 'a', transports: [new MemTransport()], logger: silentLogger, connectTimeoutMs: 30_000 });
+    const b = new TransferEngine({ nodeId: 'b', transports: [new MemTransport()], logger: silentLogger });
+    await a.start();
+    await b.start();
+    const rb = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(3) });
+    const ra = await a.register({ kind: 'host', buffer: new Uint8Array(64) });
+    const read = a.read(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { timeoutMs: 60_000 }).then(
+      () => 'resolved',
+      (e: unknown) => (e as { code?: string }).code,
+    );
+    const closed = a.close();
+    // The test's own timeout is far below the 30 s connect timeout: the outcome must come from close().
+    expect(await read).toBe(ErrorCode.Closed);
+    await closed;
+    expect(a.connections()).toHaveLength(0);
+    await b.close();
+  }, 10_000);
+
+  it('close() while a dial is in flight: the read waiting on it fails ClosedError as soon as the dial ends, not at the connect timeout', async () => {
+    let open: () => void = () => undefined;
+    const gate = new Promise<void>((r) => (open = r));
+    /** A transport whose connect finishes only when the test says so. */
+    class Gated extends MemTransport {
+      dialing = 0;
+      override async connect(...args: Parameters<MemTransport['connect']>): ReturnType<MemTransport['connect']> {
+        this.dialing++;
+        await gate;
+        return super.connect(...args);
+      }
+    }
+    const ta = new Gated();
+    const a = new TransferEngine({ nodeId: 'a', transports: [ta], logger: silentLogger, connectTimeoutMs: 30_000 });
+    const b = new TransferEngine({ nodeId: 'b', transports: [new MemTransport()], logger: silentLogger });
+    await a.start();
+    await b.start();
+    const rb = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(3) });
+    const ra = await a.register({ kind: 'host', buffer: new Uint8Array(64) });
+    const read = a.read(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { timeoutMs: 60_000 }).then(
+      () => 'resolved',
+      (e: unknown) => (e as { code?: string }).code,
+    );
+    while (ta.dialing === 0) await new Promise((r) => setImmediate(r));
+    const closed = a.close();
+    open();
+    expect(await read).toBe(ErrorCode.Closed);
+    await closed;
+    expect(a.connections()).toHaveLength(0);
+    await b.close();
+  }, 10_000);
+
   it('a restarted peer (new incarnation) gets a fresh connection; the old one is closed', async () => {
     const { a, b, ta } = await pair(() => [new MemTransport()]);
     const rb = await b.register({ kind: 'host', buffer: new Uint8Array(8) });
