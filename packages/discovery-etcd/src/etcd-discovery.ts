@@ -475,10 +475,19 @@ export class EtcdDiscovery implements Discovery {
     this.#available = false;
   }
 
-  #resync(): void {
-    if (this.#closed || this.#syncing) return;
+  /**
+   * Re-list and re-watch unless a sync is running; `again`: also after the running one (which
+   * may have looked for a watcher before the one it saw was dropped).
+   */
+  #resync(again = false): void {
+    if (this.#closed) return;
+    if (this.#syncing) {
+      if (again) this.#resyncAgain = true;
+      return;
+    }
     this.#syncing = this.#syncLoop();
   }
+  #resyncAgain = false;
 
   /** Until one sync succeeds (or close): re-list, reconcile, (re)watch, re-publish. */
   async #syncLoop(): Promise<void> {
@@ -497,6 +506,10 @@ export class EtcdDiscovery implements Discovery {
       throw new ClosedError(`discovery on ${this.store} closed`);
     } finally {
       this.#syncing = undefined;
+      if (this.#resyncAgain) {
+        this.#resyncAgain = false;
+        this.#resync();
+      }
     }
   }
 
@@ -573,7 +586,16 @@ export class EtcdDiscovery implements Discovery {
       disconnected = true;
       this.#markUnavailable(err);
     });
-    watcher.on('error', (err) => this.#markUnavailable(err));
+    watcher.on('error', (err) => {
+      this.#markUnavailable(err);
+      // etcd3 emits 'error' when etcd cancelled the watch (its revision compacted away while the
+      // watch was resuming, say): the library has dropped the watcher and will not resume it.
+      // Forget it, then re-list and watch anew from the listed revision.
+      if (this.#watcher !== watcher) return;
+      this.#watcher = undefined;
+      void watcher.cancel().catch(() => undefined);
+      this.#resync(true);
+    });
     watcher.on('connected', () => {
       if (!disconnected) return;
       disconnected = false;

@@ -2,6 +2,7 @@
  * EtcdDiscovery against a real etcd on loopback: publishing, watching, lease expiry, the
  * conflict rule, malformed values, and an etcd outage with resynchronisation.
  */
+import net from 'node:net';
 import { afterAll, afterEach, beforeAll, describe, expect, it } from 'vitest';
 import { Etcd3 } from 'etcd3';
 import {
@@ -27,6 +28,53 @@ function record(nodeId: string, incarnation: string, extra: Partial<NodeRecord> 
 }
 
 let prefixCounter = 0;
+
+/** A TCP relay to 127.0.0.1:`target`: `cut()` drops every connection and refuses new ones until `restore()`. */
+async function cuttableRelay(target: number): Promise<{ port: number; cut(): void; restore(): void; close(): Promise<void> }> {
+  const sockets = new Set<net.Socket>();
+  let blocked = false;
+  const server = net.createServer((client) => {
+    if (blocked) {
+      client.destroy();
+      return;
+    }
+    const up = net.connect(target, '127.0.0.1');
+    sockets.add(client);
+    sockets.add(up);
+    client.pipe(up);
+    up.pipe(client);
+    const end = (): void => {
+      client.destroy();
+      up.destroy();
+      sockets.delete(client);
+      sockets.delete(up);
+    };
+    for (const s of [client, up]) {
+      s.on('error', end);
+      s.on('close', end);
+    }
+  });
+  await new Promise<void>((resolve) => server.listen(0, '127.0.0.1', resolve));
+  const dropAll = (): void => {
+    for (const s of sockets) s.destroy();
+    sockets.clear();
+  };
+  return {
+    port: (server.address() as net.AddressInfo).port,
+    cut() {
+      blocked = true;
+      dropAll();
+    },
+    restore() {
+      blocked = false;
+    },
+    close() {
+      blocked = true;
+      dropAll();
+      return new Promise<void>((resolve) => server.close(() => resolve()));
+    },
+  };
+}
 
 describe('parseEtcdUrl', () => {
   it('accepts etcd://, http:// and bare host:port and names the store etcd://host:port', () => {
@@ -224,6 +272,36 @@ describe.skipIf(missing !== undefined)('EtcdDiscovery on a real etcd (loopback)'
     await holder.close();
     await waitUntil(() => requester.peek('holder-e') === undefined && down.peek('holder-e') === undefined && fresh.peek('holder-e') === undefined, 10_000);
     expect((await c.getAll().prefix(prefix).keys()).length).toBe(0);
+  });
+
+  it('a watcher cut off while etcd compacted past its revision re-lists and keeps following the records (etcd cancelled its watch)', async () => {
+    nextPrefix();
+    // The watcher reaches etcd through a relay the test can cut; the holders go direct.
+    const relay = await cuttableRelay(etcd.port);
+    closers.push(() => relay.close());
+    const watcher = await EtcdDiscovery.open({ url: `etcd://127.0.0.1:${relay.port}`, prefix, callTimeoutMs: 1000, maxBackoffMs: 300 });
+    closers.push(() => watcher.close());
+    const h1 = await open();
+    await h1.publish(record('node-w', 'i1'));
+    await watcher.waitFor('node-w', { timeoutMs: 10_000, until: (r) => r.incarnation === 'i1' });
+    relay.cut();
+    await waitUntil(() => !watcher.available, 10_000);
+    // While it is away: the node restarts (i2), and etcd compacts past the watcher's revision.
+    await h1.close();
+    const h2 = await open();
+    await h2.publish(record('node-w', 'i2'));
+    const c = raw();
+    const revision = (await c.getAll().prefix(prefix).exec()).header.revision;
+    await c.kv.compact({ revision, physical: true });
+    relay.restore();
+    await watcher.waitFor('node-w', { timeoutMs: 15_000, until: (r) => r.incarnation === 'i2' });
+    // It still follows etcd: the next restart arrives, and it is available again.
+    await h2.close();
+    const h3 = await open();
+    await h3.publish(record('node-w', 'i3'));
+    await watcher.waitFor('node-w', { timeoutMs: 15_000, until: (r) => r.incarnation === 'i3' });
+    await waitUntil(() => watcher.available, 10_000);
+    expect(watcher.peek('node-w')?.incarnation).toBe('i3');
   });
 
   it('implements the same interface as StaticDiscovery (close is idempotent; disposal works)', async () => {
