@@ -180,10 +180,10 @@ describe('fetch: the transports its acquire names', () => {
       const destinations = destinationsIn(r.local, 4);
       await (await r.client.fetch(r.engine, h.address, numbers(0, 4), destinations)).release();
       h.advertise = 'tcp';
-      // Each grant now takes 400 ms: the first try's acquire uses 400 of the fetch's 600 ms, its
-      // read is refused (no TCP grant), and the second try's acquire has under 200 ms left.
-      h.delayMs = 400;
-      const failed = await r.client.fetch(r.engine, h.address, numbers(4, 4), destinations, { timeoutMs: 600 }).catch((e: unknown) => e);
+      // Each grant now takes 1 s: the first try's acquire uses 1 s of the fetch's 1.5 s, its read
+      // is refused (no TCP grant), and the second try's acquire has under 0.5 s left.
+      h.delayMs = 1000;
+      const failed = await r.client.fetch(r.engine, h.address, numbers(4, 4), destinations, { timeoutMs: 1500 }).catch((e: unknown) => e);
       expect(failed).toBeInstanceOf(TimedOutError);
       expect(h.named).toEqual([[], ['uds'], []]);
       // With time enough, the same fetch succeeds through TCP.
