@@ -119,6 +119,14 @@ export const MUTANTS = [
     tests: ['test/seqlock.test.ts'],
   },
   {
+    id: 'freed-slot',
+    what: 'a batch no longer refuses a pool slot its owner freed before the batch (stale bytes through a live registration)',
+    file: 'shm.cc',
+    find: /if \(m\.state != kStateLive\) \{\n(\s*)\/\/ Freed by its owner before the batch/,
+    replace: 'if (false) {\n$1// Freed by its owner before the batch',
+    tests: ['test/grants.test.ts'],
+  },
+  {
     id: 'plan-stale-local',
     what: 'a run of the batch tables (copyBatch, copyPlanned) trusts more local bytes than the buffer has now (a plan kept across a detach or a shrink)',
     file: 'addon.cc',
