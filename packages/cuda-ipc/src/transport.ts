@@ -1451,10 +1451,9 @@ export class CudaIpcTransport implements Transport {
   readonly #maxTables: number;
   /** Threads that copy a host batch's bytes ({@link CudaIpcTransportOptions.copyThreads}). */
   readonly copyThreads: number;
-  /** Live range grants (not yet revoked), and revocations still draining. */
+  /** Live range grants (not yet revoked). */
   readonly #rangeGrants = new Set<RangeGrant>();
-  readonly #draining = new Set<Promise<void>>();
-  /** Range grants revoked while a peer batch was inside them, until it left (or the wait timed out). */
+  /** Range grants revoked while a peer batch was inside them, until it left (or the wait timed out): `revoked` is that wait. */
   readonly #drainingGrants = new Set<RangeGrant>();
   #closed: Promise<void> | undefined;
 
@@ -1930,12 +1929,8 @@ export class CudaIpcTransport implements Transport {
       }
       this.#freeRange(g);
     })();
-    this.#draining.add(p);
     this.#drainingGrants.add(g);
-    void p.finally(() => {
-      this.#draining.delete(p);
-      this.#drainingGrants.delete(g);
-    });
+    void p.finally(() => this.#drainingGrants.delete(g));
     return p;
   }
 
@@ -2074,7 +2069,7 @@ export class CudaIpcTransport implements Transport {
       }
       // Same drain as revoke(): a peer's copy in flight finishes before the grant goes
       // (the registered memory may be reused the moment close() resolves, invariant 6).
-      await Promise.allSettled([...[...this.#rangeGrants].map((g) => this.revokeGrant(g)), ...this.#draining]);
+      await Promise.allSettled([...[...this.#rangeGrants].map((g) => this.revokeGrant(g)), ...[...this.#drainingGrants].map((g) => g.revoked)]);
       for (const t of this.#tables.splice(0)) {
         try {
           t.close();
