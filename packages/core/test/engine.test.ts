@@ -11,6 +11,20 @@ import {
 } from '../src/index.js';
 import { MemTransport } from './helpers/mem-transport.js';
 
+/**
+ * 64 bytes registered on `b` and on `a`, and what starts a read of them by `a` in the caller's
+ * turn: it resolves to 'resolved' or the error's code.
+ */
+async function readOf(a: TransferEngine, b: TransferEngine): Promise<() => Promise<string | undefined>> {
+  const rb = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(3) });
+  const ra = await a.register({ kind: 'host', buffer: new Uint8Array(64) });
+  return () =>
+    a.read(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { timeoutMs: 60_000 }).then(
+      () => 'resolved',
+      (e: unknown) => (e as { code?: string }).code,
+    );
+}
+
 async function pair(make: () => MemTransport[], extra: Record<string, unknown> = {}) {
   const ta = make();
   const tb = make();
@@ -196,16 +210,8 @@ describe('transfer engine', () => {
   });
 
   it('a read issued in the same turn as close() fails ClosedError at once, not at the connect timeout, and leaves no connection', async () => {
-    const a = new TransferEngine({ nodeId: 'a', transports: [new MemTransport()], logger: silentLogger, connectTimeoutMs: 30_000 });
-    const b = new TransferEngine({ nodeId: 'b', transports: [new MemTransport()], logger: silentLogger });
-    await a.start();
-    await b.start();
-    const rb = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(3) });
-    const ra = await a.register({ kind: 'host', buffer: new Uint8Array(64) });
-    const read = a.read(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { timeoutMs: 60_000 }).then(
-      () => 'resolved',
-      (e: unknown) => (e as { code?: string }).code,
-    );
+    const { a, b } = await pair(() => [new MemTransport()], { connectTimeoutMs: 30_000 });
+    const read = (await readOf(a, b))();
     const closed = a.close();
     // The test's own timeout is far below the 30 s connect timeout: the outcome must come from close().
     expect(await read).toBe(ErrorCode.Closed);
@@ -226,18 +232,10 @@ describe('transfer engine', () => {
         return super.connect(...args);
       }
     }
-    const ta = new Gated();
-    const a = new TransferEngine({ nodeId: 'a', transports: [ta], logger: silentLogger, connectTimeoutMs: 30_000 });
-    const b = new TransferEngine({ nodeId: 'b', transports: [new MemTransport()], logger: silentLogger });
-    await a.start();
-    await b.start();
-    const rb = await b.register({ kind: 'host', buffer: new Uint8Array(64).fill(3) });
-    const ra = await a.register({ kind: 'host', buffer: new Uint8Array(64) });
-    const read = a.read(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { timeoutMs: 60_000 }).then(
-      () => 'resolved',
-      (e: unknown) => (e as { code?: string }).code,
-    );
-    while (ta.dialing === 0) await new Promise((r) => setImmediate(r));
+    const { a, b, ta } = await pair(() => [new Gated()], { connectTimeoutMs: 30_000 });
+    const dialer = ta[0] as Gated;
+    const read = (await readOf(a, b))();
+    while (dialer.dialing === 0) await new Promise((r) => setImmediate(r));
     const closed = a.close();
     open();
     expect(await read).toBe(ErrorCode.Closed);

@@ -25,19 +25,12 @@ async function bigAnswers(grpcOptions: Record<string, number> = {}): Promise<{ s
 }
 
 describe('lease lifecycle gaps', () => {
-  it("an acquire answer over the client's receive limit: the holder's lease is released at once (by acquire id), not left to expire", async () => {
-    const { server, address } = await bigAnswers();
-    const client = new LockClient({ requesterId: 'req', logger: silentLogger, session: false, channelOptions: { 'grpc.max_receive_message_length': 64 * 1024 } });
-    cleanups.push(() => client.close());
-    const e = await client.acquire(address, ['block:kv:1', 'block:kv:2']).catch((x: unknown) => x);
-    expect(e).toBeInstanceOf(ResourceExhaustedError);
-    await waitFor(() => server.counters().active === 0, 'the lease released');
-    expect(server.counters()).toMatchObject({ acquired: 1, released: 1, expired: 0, pinnedBlocks: 0 });
-  });
-
-  it("an acquire answer over the holder's send limit: the same", async () => {
-    const { server, address } = await bigAnswers({ 'grpc.max_send_message_length': 64 * 1024 });
-    const client = new LockClient({ requesterId: 'req', logger: silentLogger, session: false });
+  it.each([
+    ["the client's receive limit", {}, { 'grpc.max_receive_message_length': 64 * 1024 }],
+    ["the holder's send limit", { 'grpc.max_send_message_length': 64 * 1024 }, {}],
+  ])('an acquire answer over %s: the holder\'s lease is released at once (by acquire id), not left to expire', async (_limit, holderOptions, channelOptions) => {
+    const { server, address } = await bigAnswers(holderOptions);
+    const client = new LockClient({ requesterId: 'req', logger: silentLogger, session: false, channelOptions });
     cleanups.push(() => client.close());
     const e = await client.acquire(address, ['block:kv:1', 'block:kv:2']).catch((x: unknown) => x);
     expect(e).toBeInstanceOf(ResourceExhaustedError);
