@@ -825,9 +825,16 @@ class DeadlineHeap {
   }
 }
 
-function connectionKey(nodeId: string, transport: string): string {
-  // nodeId cannot contain '/', so the key is unambiguous.
-  return `${nodeId}/${transport}`;
+function connectionKey(peer: NodeIdentity, transport: string): string {
+  // Neither a nodeId nor an incarnation (a token) can contain '/', so the key is unambiguous.
+  return `${peer.nodeId}/${peer.incarnation}/${transport}`;
+}
+
+/** How many nodes' last proven incarnations, and how many superseded incarnations, the engine remembers. */
+const MAX_KNOWN_INCARNATIONS = 4096;
+
+function restartedError(peer: NodeIdentity): ConnectionBrokenError {
+  return new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`, { details: { peer: peer.nodeId, incarnation: peer.incarnation } });
 }
 
 function checkInteger(value: unknown, field: string, min: number): number {
@@ -854,7 +861,18 @@ export class TransferEngine {
   readonly #blockPool = new RangePool<Uint32Array>({ make: (n) => new Uint32Array(n) });
   readonly #grantsOf = new Map<Registration, Set<Grant>>();
   readonly #logger: Logger;
+  /**
+   * The connection table, keyed by peer node, incarnation and transport. A connection to an
+   * incarnation the engine has not seen is opened beside the entries of the incarnation it
+   * knows; only a finished handshake makes it the node's current incarnation, and then the
+   * earlier incarnation's entries are disposed and it is remembered as superseded. A read
+   * naming a superseded incarnation fails at once instead of dialling it.
+   */
   readonly #table = new Map<string, PeerConnection>();
+  /** nodeId -> the incarnation a finished handshake (outbound or inbound) last proved; bounded. */
+  readonly #current = new Map<string, string>();
+  /** `${nodeId}/${incarnation}` of incarnations a later one replaced; bounded, oldest forgotten first. */
+  readonly #superseded = new Set<string>();
   readonly #registrations = new IdRegistry<Registration, 'block'>('block');
   readonly #ids: IdAllocator;
   readonly #inflight = new Set<AbortController>();
@@ -1425,12 +1443,12 @@ export class TransferEngine {
   }
 
   #preparedCounter = 0;
-  readonly #preparedState = new WeakMap<PreparedTransfer, { pc: PeerConnection | undefined; split: Split | undefined; first: number; broken: TensorwireError | undefined; readonly key: string }>();
+  readonly #preparedState = new WeakMap<PreparedTransfer, { pc: PeerConnection | undefined; split: Split | undefined; first: number; broken: TensorwireError | undefined }>();
 
   async #runPrepared(self: PreparedTransfer, plan: Plan, options: TransferOptions): Promise<TransferReport> {
     this.#assertOpen();
     let state = this.#preparedState.get(self);
-    if (!state) this.#preparedState.set(self, (state = { pc: undefined, split: undefined, first: this.#preparedCounter++ % 64, broken: undefined, key: connectionKey(plan.ep.identity.nodeId, plan.transport.name) }));
+    if (!state) this.#preparedState.set(self, (state = { pc: undefined, split: undefined, first: this.#preparedCounter++ % 64, broken: undefined }));
     if (state.broken) throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { cause: state.broken, details: { peer: plan.ep.identity.nodeId } });
     // What can change between posts, checked per distinct registration, not per range.
     for (let i = 0; i < plan.localRegs.length; i++) {
@@ -1439,9 +1457,9 @@ export class TransferEngine {
         throw new InvalidInputError(`requests[${plan.localFirst[i] as number}].local (${reg.id}) was revoked`, { details: { field: 'local', request: plan.localFirst[i] } });
       }
     }
-    const current = this.#table.get(state.key);
-    if (current && current.peer.incarnation !== plan.ep.identity.incarnation) {
-      state.broken = new ConnectionBrokenError(`peer ${plan.ep.identity.nodeId} restarted (incarnation changed)`);
+    if (this.#isSuperseded(plan.ep.identity)) {
+      // A handshake proved a later incarnation of the peer: what this transfer names is gone.
+      state.broken = restartedError(plan.ep.identity);
       throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { details: { peer: plan.ep.identity.nodeId } });
     }
     const old = state.pc;
@@ -1778,14 +1796,11 @@ export class TransferEngine {
 
   /** Get or open the connection for (peer, transport); concurrent callers share one handshake. */
   async #connection(ep: PeerEndpoint, t: Transport, signal: AbortSignal): Promise<PeerConnection> {
-    const key = connectionKey(ep.identity.nodeId, t.name);
+    // An incarnation a handshake already replaced is not dialled (it would disturb nothing, but
+    // a live old process must not serve a node whose later incarnation this engine talks to).
+    if (this.#isSuperseded(ep.identity)) throw restartedError(ep.identity);
+    const key = connectionKey(ep.identity, t.name);
     let pc = this.#table.get(key);
-    if (pc && pc.peer.incarnation !== ep.identity.incarnation) {
-      // The peer restarted: the old connection and everything cached for it is stale.
-      this.#table.delete(key);
-      void this.#dispose(pc, new ConnectionBrokenError(`peer ${ep.identity.nodeId} restarted (incarnation changed)`), 'invalidated');
-      pc = undefined;
-    }
     if (pc?.conn && !pc.conn.isOpen) {
       this.#invalidateEntry(pc, pc.conn, new ConnectionBrokenError('connection closed'));
       pc = undefined;
@@ -1872,6 +1887,43 @@ export class TransferEngine {
       if (this.#table.get(pc.key) === pc && pc.conn === conn) this.#table.delete(pc.key);
     });
     pc.ready.resolve(conn);
+    this.#proven(pc.peer);
+  }
+
+  #isSuperseded(peer: NodeIdentity): boolean {
+    return this.#superseded.size > 0 && this.#superseded.has(`${peer.nodeId}/${peer.incarnation}`);
+  }
+
+  /**
+   * A handshake finished with `peer`: its incarnation is the node's current one. Any other
+   * incarnation of the node (the one it replaced, and any opened beside it meanwhile) is
+   * superseded: its entries are disposed, the transfers on them fail ConnectionBroken, and it
+   * is never dialled again. The handshake decides, not the order endpoints arrive in: an
+   * endpoint of an incarnation the engine never saw is dialled beside the current one, which
+   * stays untouched if that handshake fails.
+   */
+  #proven(peer: NodeIdentity): void {
+    const before = this.#current.get(peer.nodeId);
+    if (before === peer.incarnation) return;
+    this.#current.delete(peer.nodeId);
+    this.#current.set(peer.nodeId, peer.incarnation);
+    if (this.#current.size > MAX_KNOWN_INCARNATIONS) this.#current.delete(this.#current.keys().next().value as string);
+    const supersede = (incarnation: string): void => {
+      this.#superseded.add(`${peer.nodeId}/${incarnation}`);
+      if (this.#superseded.size > MAX_KNOWN_INCARNATIONS) this.#superseded.delete(this.#superseded.values().next().value as string);
+    };
+    if (before !== undefined) supersede(before);
+    const victims: PeerConnection[] = [];
+    for (const [key, other] of this.#table) {
+      if (other.peer.nodeId === peer.nodeId && other.peer.incarnation !== peer.incarnation) {
+        this.#table.delete(key);
+        victims.push(other);
+      }
+    }
+    for (const other of victims) {
+      supersede(other.peer.incarnation);
+      void this.#dispose(other, restartedError(other.peer), 'invalidated');
+    }
   }
 
   #warnSlow(ex: Explanation, chosen: string): void {
@@ -1893,13 +1945,13 @@ export class TransferEngine {
     }
     const peer = conn.peer;
     if (peer.nodeId === this.identity.nodeId) return; // a loopback connection to ourselves: it only serves
-    const key = connectionKey(peer.nodeId, t.name);
-    let pc = this.#table.get(key);
-    if (pc && pc.peer.incarnation !== peer.incarnation) {
-      this.#table.delete(key);
-      void this.#dispose(pc, new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`), 'invalidated');
-      pc = undefined;
+    if (this.#isSuperseded(peer)) {
+      // An earlier incarnation of a node this engine already talks to in a later one.
+      void conn.close(restartedError(peer)).catch(() => undefined);
+      return;
     }
+    const key = connectionKey(peer, t.name);
+    let pc = this.#table.get(key);
     if (!pc) {
       pc = new PeerConnection(key, peer, t);
       this.#table.set(key, pc);

@@ -345,6 +345,31 @@ describe('prepared transfers', () => {
     await Promise.all([a.close(), b.close(), b2.close()]);
   });
 
+  it('prepared for a restarted peer while the connection to its old incarnation is still open: the handshake decides, the post gets the new peer\'s bytes', async () => {
+    const { a, b, ta } = await pair(() => [new MemTransport()]);
+    const rb = await b.register({ kind: 'host', buffer: new Uint8Array(100).fill(1) });
+    const dst = new Uint8Array(100);
+    const ra = await a.register({ kind: 'host', buffer: dst });
+    const old = await a.prepare(b.endpoint(), [{ local: ra, remote: rb.descriptor }], { op: 'read' });
+    await old.run(); // the old incarnation's connection is open, and stays open (b is slow to die)
+    const b2 = new TransferEngine({ nodeId: 'b', transports: [new MemTransport()], logger: silentLogger });
+    await b2.start();
+    const rb2 = await b2.register({ kind: 'host', buffer: new Uint8Array(100).fill(2) });
+    // a learns of the new incarnation and prepares for it before any plain read reached it.
+    const fresh = await a.prepare(b2.endpoint(), [{ local: ra, remote: rb2.descriptor }], { op: 'read' });
+    await fresh.run();
+    expect(dst.every((x) => x === 2)).toBe(true);
+    expect(a.connections().map((c) => c.peer.incarnation)).toEqual([b2.identity.incarnation]);
+    // The handshake with the new incarnation retired the old one: its transfer fails, for good.
+    dst.fill(0);
+    await expect(old.run()).rejects.toBeInstanceOf(ConnectionBrokenError);
+    expect(dst.every((x) => x === 0)).toBe(true);
+    await fresh.run();
+    expect(dst.every((x) => x === 2)).toBe(true);
+    expect((ta[0] as MemTransport).connections.filter((c) => c.isOpen).length).toBe(1);
+    await Promise.all([a.close(), b.close(), b2.close()]);
+  });
+
   it('disposed: posts fail with Closed; close() waits for posts in flight and is idempotent', async () => {
     const { a, b } = await pair(() => [new MemTransport()]);
     const rb = await b.register({ kind: 'host', buffer: new Uint8Array(100).fill(3) });

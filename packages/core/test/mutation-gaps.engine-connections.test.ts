@@ -372,6 +372,90 @@ describe('the connection table and its lifecycle metrics', () => {
     }
   });
 
+  it('a read naming an incarnation a handshake replaced fails at once; the current connection and its transfer in flight are left alone', async () => {
+    await using s = await setup('st-a', 'st-b');
+    await s.read();
+    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
+    try {
+      await b2.start();
+      const remote2 = (await b2.register({ kind: 'host', buffer: new Uint8Array(64) })).descriptor;
+      const local = await s.a.register({ kind: 'host', buffer: new Uint8Array(64) });
+      await s.a.connect(b2.endpoint());
+      const current = s.ta.connections[1] as ProbeConnection;
+      s.ta.mode = ['hang'];
+      const ac = new AbortController();
+      const inFlight = outcome(s.a.read(b2.endpoint(), [{ local, remote: remote2 }], { signal: ac.signal }));
+      await tick();
+      expect(current.executes).toBe(1);
+      // A stale endpoint (an old lease, an old discovery record) names the first incarnation.
+      const stale = await outcome(s.read());
+      expect(stale).toBeInstanceOf(ConnectionBrokenError);
+      expect((stale as ConnectionBrokenError).message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
+      expect(s.ta.connectCalls).toBe(2); // not dialled
+      expect(current.closes).toBe(0);
+      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+      ac.abort();
+      expect(await inFlight).toBeInstanceOf(AbortedError); // its own ending, not the stale read's
+      // An inbound connection from the old incarnation (its process still running) is refused.
+      const late = s.ta.inbound(s.b.identity);
+      expect(late.closedWith?.message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
+      expect(current.closes).toBe(0);
+      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+    } finally {
+      await b2.close();
+    }
+  });
+
+  it('an incarnation whose connections had all closed before a later one was proven is superseded too', async () => {
+    await using s = await setup('gone-a', 'gone-b');
+    await s.read();
+    (s.ta.connections[0] as ProbeConnection).lost(new ConnectionBrokenError('probe: peer went away'));
+    expect(s.a.connections()).toEqual([]);
+    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
+    try {
+      await b2.start();
+      await s.a.connect(b2.endpoint());
+      expect(await outcome(s.read())).toBeInstanceOf(ConnectionBrokenError);
+      expect(s.ta.connectCalls).toBe(2);
+    } finally {
+      await b2.close();
+    }
+  });
+
+  it('the superseded incarnations it remembers are bounded (4,096, the oldest forgotten first)', async () => {
+    await using s = await setup('many-a', 'many-b');
+    const as = (incarnation: string): NodeIdentity => ({ ...s.b.identity, incarnation });
+    for (let k = 0; k <= 4097; k++) s.ta.inbound(as(`i${k}`)); // each one replaces the one before
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['i4097']);
+    expect(s.ta.inbound(as('i4096')).closedWith?.message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
+    expect(s.ta.inbound(as('i1')).closedWith?.message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
+    // i0 was forgotten: it is taken for a new incarnation again.
+    const again = s.ta.inbound(as('i0'));
+    expect(again.closedWith).toBeUndefined();
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['i0']);
+  });
+
+  it('an endpoint of an incarnation never seen is dialled beside the current connection, which a failed handshake leaves alone', async () => {
+    await using s = await setup('nv-a', 'nv-b');
+    await s.read();
+    const first = s.ta.connections[0] as ProbeConnection;
+    const b3 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'third', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
+    try {
+      await b3.start();
+      s.ta.connectError = new ConnectionBrokenError('probe: WRONG_PEER');
+      expect(await outcome(s.a.connect(b3.endpoint()))).toBe(s.ta.connectError);
+      expect(first.closes).toBe(0);
+      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual([s.b.identity.incarnation]);
+      s.ta.connectError = undefined;
+      await s.read(); // on the same connection
+      expect(s.ta.connectCalls).toBe(2);
+      expect(first.executes).toBe(2);
+      expect(await events(s.a)).toEqual({ opened: 1 });
+    } finally {
+      await b3.close();
+    }
+  });
+
   it('a failed connect rejects with its error, counts it, leaves no entry, and the next transfer connects again', async () => {
     await using s = await setup('cf-a', 'cf-b');
     s.ta.connectError = new ResourceExhaustedError('probe: no ports');
