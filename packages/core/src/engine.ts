@@ -144,6 +144,14 @@ export interface TransferRequest {
   length?: number;
 }
 
+export interface InvalidateOptions {
+  /**
+   * Leave the connections to this incarnation of the node alone: the one known to be current
+   * (a discovery's new record) when the earlier ones ended.
+   */
+  keepIncarnation?: string;
+}
+
 export interface TransferOptions {
   signal?: AbortSignal;
   /** Relative deadline. Default: the engine's defaultTimeoutMs. */
@@ -830,13 +838,6 @@ function connectionKey(peer: NodeIdentity, transport: string): string {
   return `${peer.nodeId}/${peer.incarnation}/${transport}`;
 }
 
-/** How many nodes' last proven incarnations, and how many superseded incarnations, the engine remembers. */
-const MAX_KNOWN_INCARNATIONS = 4096;
-
-function restartedError(peer: NodeIdentity): ConnectionBrokenError {
-  return new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`, { details: { peer: peer.nodeId, incarnation: peer.incarnation } });
-}
-
 function checkInteger(value: unknown, field: string, min: number): number {
   if (typeof value !== 'number' || !Number.isSafeInteger(value) || value < min) {
     throw new InvalidInputError(`${field} must be an integer >= ${min}, got ${String(value)}`, { details: { field } });
@@ -862,17 +863,13 @@ export class TransferEngine {
   readonly #grantsOf = new Map<Registration, Set<Grant>>();
   readonly #logger: Logger;
   /**
-   * The connection table, keyed by peer node, incarnation and transport. A connection to an
-   * incarnation the engine has not seen is opened beside the entries of the incarnation it
-   * knows; only a finished handshake makes it the node's current incarnation, and then the
-   * earlier incarnation's entries are disposed and it is remembered as superseded. A read
-   * naming a superseded incarnation fails at once instead of dialling it.
+   * The connection table, keyed by the peer's whole identity: node, incarnation and transport
+   * (invariant 1). Each incarnation of a node is its own peer: a read goes to the incarnation
+   * its endpoint names, whose handshake proves it, so the bytes always come from the process
+   * that issued the descriptor. A new incarnation's connection is opened beside the old one's
+   * and disturbs nothing; the old one ends when its process goes away (closed, refused, idle).
    */
   readonly #table = new Map<string, PeerConnection>();
-  /** nodeId -> the incarnation a finished handshake (outbound or inbound) last proved; bounded. */
-  readonly #current = new Map<string, string>();
-  /** `${nodeId}/${incarnation}` of incarnations a later one replaced; bounded, oldest forgotten first. */
-  readonly #superseded = new Set<string>();
   readonly #registrations = new IdRegistry<Registration, 'block'>('block');
   readonly #ids: IdAllocator;
   readonly #inflight = new Set<AbortController>();
@@ -1236,12 +1233,16 @@ export class TransferEngine {
     return [...this.#table.values()].map((pc) => this.#info(pc));
   }
 
-  /** Drop every connection to `nodeId` (all transports) in one step each; in-flight work fails with `reason`. */
-  async invalidate(nodeId: string, reason = 'invalidated by caller'): Promise<void> {
+  /**
+   * Drop every connection to `nodeId` (all transports and incarnations, or all but
+   * `options.keepIncarnation`) in one step each; in-flight work fails with `reason`.
+   */
+  async invalidate(nodeId: string, reason = 'invalidated by caller', options: InvalidateOptions = {}): Promise<void> {
+    const keep = options.keepIncarnation;
     this.#choiceCache = new WeakMap();
     const victims: PeerConnection[] = [];
     for (const [key, pc] of this.#table) {
-      if (pc.peer.nodeId === nodeId) {
+      if (pc.peer.nodeId === nodeId && pc.peer.incarnation !== keep) {
         this.#table.delete(key);
         victims.push(pc);
       }
@@ -1456,11 +1457,6 @@ export class TransferEngine {
       if (reg.revoked || this.#registrations.get(reg.id) !== reg) {
         throw new InvalidInputError(`requests[${plan.localFirst[i] as number}].local (${reg.id}) was revoked`, { details: { field: 'local', request: plan.localFirst[i] } });
       }
-    }
-    if (this.#isSuperseded(plan.ep.identity)) {
-      // A handshake proved a later incarnation of the peer: what this transfer names is gone.
-      state.broken = restartedError(plan.ep.identity);
-      throw new ConnectionBrokenError(`prepared transfer is invalidated: ${state.broken.message}`, { details: { peer: plan.ep.identity.nodeId } });
     }
     const old = state.pc;
     if (old?.brokenBy) {
@@ -1796,9 +1792,6 @@ export class TransferEngine {
 
   /** Get or open the connection for (peer, transport); concurrent callers share one handshake. */
   async #connection(ep: PeerEndpoint, t: Transport, signal: AbortSignal): Promise<PeerConnection> {
-    // An incarnation a handshake already replaced is not dialled (it would disturb nothing, but
-    // a live old process must not serve a node whose later incarnation this engine talks to).
-    if (this.#isSuperseded(ep.identity)) throw restartedError(ep.identity);
     const key = connectionKey(ep.identity, t.name);
     let pc = this.#table.get(key);
     if (pc?.conn && !pc.conn.isOpen) {
@@ -1887,43 +1880,6 @@ export class TransferEngine {
       if (this.#table.get(pc.key) === pc && pc.conn === conn) this.#table.delete(pc.key);
     });
     pc.ready.resolve(conn);
-    this.#proven(pc.peer);
-  }
-
-  #isSuperseded(peer: NodeIdentity): boolean {
-    return this.#superseded.size > 0 && this.#superseded.has(`${peer.nodeId}/${peer.incarnation}`);
-  }
-
-  /**
-   * A handshake finished with `peer`: its incarnation is the node's current one. Any other
-   * incarnation of the node (the one it replaced, and any opened beside it meanwhile) is
-   * superseded: its entries are disposed, the transfers on them fail ConnectionBroken, and it
-   * is never dialled again. The handshake decides, not the order endpoints arrive in: an
-   * endpoint of an incarnation the engine never saw is dialled beside the current one, which
-   * stays untouched if that handshake fails.
-   */
-  #proven(peer: NodeIdentity): void {
-    const before = this.#current.get(peer.nodeId);
-    if (before === peer.incarnation) return;
-    this.#current.delete(peer.nodeId);
-    this.#current.set(peer.nodeId, peer.incarnation);
-    if (this.#current.size > MAX_KNOWN_INCARNATIONS) this.#current.delete(this.#current.keys().next().value as string);
-    const supersede = (incarnation: string): void => {
-      this.#superseded.add(`${peer.nodeId}/${incarnation}`);
-      if (this.#superseded.size > MAX_KNOWN_INCARNATIONS) this.#superseded.delete(this.#superseded.values().next().value as string);
-    };
-    if (before !== undefined) supersede(before);
-    const victims: PeerConnection[] = [];
-    for (const [key, other] of this.#table) {
-      if (other.peer.nodeId === peer.nodeId && other.peer.incarnation !== peer.incarnation) {
-        this.#table.delete(key);
-        victims.push(other);
-      }
-    }
-    for (const other of victims) {
-      supersede(other.peer.incarnation);
-      void this.#dispose(other, restartedError(other.peer), 'invalidated');
-    }
   }
 
   #warnSlow(ex: Explanation, chosen: string): void {
@@ -1945,11 +1901,6 @@ export class TransferEngine {
     }
     const peer = conn.peer;
     if (peer.nodeId === this.identity.nodeId) return; // a loopback connection to ourselves: it only serves
-    if (this.#isSuperseded(peer)) {
-      // An earlier incarnation of a node this engine already talks to in a later one.
-      void conn.close(restartedError(peer)).catch(() => undefined);
-      return;
-    }
     const key = connectionKey(peer, t.name);
     let pc = this.#table.get(key);
     if (!pc) {

@@ -266,8 +266,8 @@ describe('attachDiscovery', () => {
       calls,
       engine: {
         identity: { nodeId: 'me', incarnation: 'mine', hostId: 'h' },
-        invalidate: (nodeId: string) => {
-          calls.push(nodeId);
+        invalidate: (nodeId: string, _reason?: string, options?: { keepIncarnation?: string }) => {
+          calls.push(options?.keepIncarnation === undefined ? nodeId : `${nodeId} but ${options.keepIncarnation}`);
           return Promise.resolve();
         },
         connections: () => conns,
@@ -282,12 +282,12 @@ describe('attachDiscovery', () => {
     disc.set(record('a', 'i1', { blockIds: ['block:kv:1'] }));
     expect(calls).toEqual([]);
     disc.set(record('a', 'i2'));
-    expect(calls).toEqual(['a']); // already done when set() returns: before any caller can see i2
+    expect(calls).toEqual(['a but i2']); // already done when set() returns: before any caller can see i2
     disc.remove('a');
-    expect(calls).toEqual(['a', 'a']);
+    expect(calls).toEqual(['a but i2', 'a']);
     await disc.publish(record('me', 'mine'));
     await disc.withdraw();
-    expect(calls).toEqual(['a', 'a']);
+    expect(calls).toEqual(['a but i2', 'a']);
   });
 
   it('invalidates, when attaching, connections to incarnations discovery no longer lists', async () => {
@@ -295,11 +295,11 @@ describe('attachDiscovery', () => {
     const conn = (nodeId: string, incarnation: string): ConnectionInfo => ({ peer: { nodeId, incarnation, hostId: 'h' }, transport: 'tcp', state: 'open', initiator: 'me', streams: 1, inFlight: 0 });
     const { engine, calls } = fakeEngine([conn('a', 'i1'), conn('b', 'i1'), conn('c', 'i1')]);
     const att = attachDiscovery(engine, disc);
-    expect(calls).toEqual(['a']);
+    expect(calls).toEqual(['a but i2']);
     att.detach();
     att.detach();
     disc.set(record('b', 'i9'));
-    expect(calls).toEqual(['a']); // detached: no more
+    expect(calls).toEqual(['a but i2']); // detached: no more
   });
 
   it('signalFor aborts with ConnectionBrokenError when that incarnation ends, and is born aborted for a dead one', async () => {
@@ -364,6 +364,31 @@ describe('attachDiscovery', () => {
       await requester.read(r2.endpoint, [{ local, remote: h2.descriptor }], { timeoutMs: 10_000 });
       expect(Buffer.compare(dst, pattern(dst.length, h2.seed))).toBe(0);
       expect(requester.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+    });
+
+    it('a connection to the new incarnation opened before discovery listed it (a lease named it first) survives the change', async () => {
+      const requester = new TransferEngine({ nodeId: 'requester', transports: [new TcpTransport()], logger: silentLogger });
+      closers.push(() => requester.close());
+      await requester.start();
+      const dst = new Uint8Array(64 * 1024);
+      const local = await requester.register({ kind: 'host', buffer: dst });
+      const disc = new StaticDiscovery();
+      closers.push(() => disc.close());
+      using _att = attachDiscovery(requester, disc);
+      const h1 = await holder('first');
+      disc.set(nodeRecordFor(h1.engine));
+      await requester.read(h1.engine.endpoint(), [{ local, remote: h1.descriptor }], { timeoutMs: 10_000 });
+      const h2 = await holder('second');
+      await requester.read(h2.engine.endpoint(), [{ local, remote: h2.descriptor }], { timeoutMs: 10_000 });
+      expect(requester.connections().map((c) => c.peer.incarnation).sort()).toEqual(['first', 'second']);
+      disc.set(nodeRecordFor(h2.engine));
+      expect(requester.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+      dst.fill(0);
+      await requester.read(h2.engine.endpoint(), [{ local, remote: h2.descriptor }], { timeoutMs: 10_000 });
+      expect(Buffer.compare(dst, pattern(dst.length, h2.seed))).toBe(0);
+      // One connection to each incarnation was ever opened: the second one was kept, not redialled.
+      const opened = (await (requester.metrics as NonNullable<TransferEngine['metrics']>).connectionEvents.get()).values.find((v) => v.labels.event === 'opened');
+      expect(opened?.value).toBe(2);
     });
   });
 });

@@ -244,7 +244,7 @@ describe('transfer engine', () => {
     await b.close();
   }, 10_000);
 
-  it('a restarted peer (new incarnation) gets a fresh connection; the old one is closed', async () => {
+  it('a restarted peer (new incarnation) gets its own connection; the old one ends with the old process', async () => {
     const { a, b, ta } = await pair(() => [new MemTransport()]);
     const rb = await b.register({ kind: 'host', buffer: new Uint8Array(8) });
     const ra = await a.register({ kind: 'host', buffer: new Uint8Array(8) });
@@ -255,9 +255,12 @@ describe('transfer engine', () => {
     await a.read(b2.endpoint(), [{ local: ra, remote: rb2.descriptor }]);
     const t = ta[0] as MemTransport;
     expect(t.connections).toHaveLength(2);
-    expect(t.connections[0]?.isOpen).toBe(false);
-    expect(t.connections[0]?.closedWith?.message).toMatch(/restarted/);
-    expect(a.connections()).toHaveLength(1);
+    expect(t.connections.map((c) => c.isOpen)).toEqual([true, true]); // one per incarnation
+    expect(a.connections().map((c) => c.peer.incarnation).sort()).toEqual([b.identity.incarnation, b2.identity.incarnation].sort());
+    // The old process goes away and its connection's transport notices.
+    await b.close();
+    await t.connections[0]?.close(new ConnectionBrokenError('mem: the peer went away'));
+    expect(a.connections().map((c) => c.peer.incarnation)).toEqual([b2.identity.incarnation]);
     await Promise.all([a.close(), b.close(), b2.close()]);
   });
 });
