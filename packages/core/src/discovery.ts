@@ -681,8 +681,8 @@ export class StaticDiscovery implements Discovery {
 /** What attachDiscovery needs of an engine (a TransferEngine fits). */
 export interface DiscoveryEngine {
   readonly identity: NodeIdentity;
-  /** Drop the connections to `nodeId`; `options.keepIncarnation` names an incarnation whose connections stay. */
-  invalidate(nodeId: string, reason?: string, options?: { keepIncarnation?: string }): Promise<void>;
+  /** Drop the connections to `nodeId`: all of them, or only those to `options.incarnation`. */
+  invalidate(nodeId: string, reason?: string, options?: { incarnation?: string }): Promise<void>;
   connections(): ConnectionInfo[];
 }
 
@@ -706,8 +706,8 @@ export interface DiscoveryAttachment extends Disposable {
 
 /**
  * Follow `discovery` on behalf of `engine`: when a peer's incarnation changes or it is
- * removed, the engine's connections to it are invalidated (to every incarnation but the new
- * one, whose connections may already be open) (one step per connection, inside
+ * removed, the engine's connections to that incarnation are invalidated (a successor's
+ * connections, which a lease may have opened first, stay) (one step per connection, inside
  * the discovery's change notification, so before any new transfer can start), and the
  * signals handed out by `signalFor` for the ended incarnation abort. Connections already
  * open to an incarnation the discovery no longer lists are invalidated when attaching.
@@ -720,9 +720,9 @@ export function attachDiscovery(engine: DiscoveryEngine, discovery: Discovery, o
 
   const end = (nodeId: string, ended: NodeRecord, next: NodeRecord | undefined, why: string): void => {
     const reason = `peer ${nodeId} ${why}`;
-    // The new incarnation's connections (a lease may have named it before discovery did) stay.
-    // The new incarnation's connections (a lease may have named it before discovery did) stay.
-    void engine.invalidate(nodeId, reason, next === undefined ? {} : { keepIncarnation: next.incarnation }).catch((e: unknown) => logger.warn('discovery: invalidate failed', { nodeId, error: String(e) }));
+    // Only the incarnation that ended: a successor's connections (a lease may name it before
+    // discovery lists it; etcd reports a restart as removed, then added) stay.
+    void engine.invalidate(nodeId, reason, { incarnation: ended.incarnation }).catch((e: unknown) => logger.warn('discovery: invalidate failed', { nodeId, error: String(e) }));
     const byInc = signals.get(nodeId);
     if (byInc) {
       for (const [inc, ac] of [...byInc]) {
@@ -751,7 +751,7 @@ export function attachDiscovery(engine: DiscoveryEngine, discovery: Discovery, o
   for (const c of engine.connections()) {
     const current = discovery.peek(c.peer.nodeId);
     if (c.peer.nodeId !== self && current !== undefined && current.incarnation !== c.peer.incarnation) {
-      void engine.invalidate(c.peer.nodeId, `peer ${c.peer.nodeId} restarted (incarnation ${c.peer.incarnation} -> ${current.incarnation})`, { keepIncarnation: current.incarnation }).catch(() => undefined);
+      void engine.invalidate(c.peer.nodeId, `peer ${c.peer.nodeId} restarted (incarnation ${c.peer.incarnation} -> ${current.incarnation})`, { incarnation: c.peer.incarnation }).catch(() => undefined);
     }
   }
 

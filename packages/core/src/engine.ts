@@ -146,10 +146,10 @@ export interface TransferRequest {
 
 export interface InvalidateOptions {
   /**
-   * Leave the connections to this incarnation of the node alone: the one known to be current
-   * (a discovery's new record) when the earlier ones ended.
+   * Drop only the connections to this incarnation of the node (one that ended, as a
+   * discovery reports it), leaving those to any other, such as its successor, alone.
    */
-  keepIncarnation?: string;
+  incarnation?: string;
 }
 
 export interface TransferOptions {
@@ -1234,15 +1234,15 @@ export class TransferEngine {
   }
 
   /**
-   * Drop every connection to `nodeId` (all transports and incarnations, or all but
-   * `options.keepIncarnation`) in one step each; in-flight work fails with `reason`.
+   * Drop every connection to `nodeId` (all transports; all incarnations, or only
+   * `options.incarnation`) in one step each; in-flight work fails with `reason`.
    */
   async invalidate(nodeId: string, reason = 'invalidated by caller', options: InvalidateOptions = {}): Promise<void> {
-    const keep = options.keepIncarnation;
+    const only = options.incarnation;
     this.#choiceCache = new WeakMap();
     const victims: PeerConnection[] = [];
     for (const [key, pc] of this.#table) {
-      if (pc.peer.nodeId === nodeId && pc.peer.incarnation !== keep) {
+      if (pc.peer.nodeId === nodeId && (only === undefined || pc.peer.incarnation === only)) {
         this.#table.delete(key);
         victims.push(pc);
       }
@@ -1425,12 +1425,32 @@ export class TransferEngine {
   }
 
   /**
+   * A prepared transfer's dial. One that finds the peer's incarnation gone for good (the
+   * connection broke: nothing listens at its address, or what answers there is another
+   * process) invalidates the transfer as a broken connection does: this post and every later
+   * one fail ConnectionBrokenError without dialling again.
+   */
+  async #preparedConnection(state: { broken: TensorwireError | undefined }, plan: Plan, signal: AbortSignal): Promise<PeerConnection> {
+    try {
+      return await this.#connection(plan.ep, plan.transport, signal);
+    } catch (e) {
+      if (e instanceof ConnectionBrokenError) {
+        state.broken = e;
+        throw new ConnectionBrokenError(`prepared transfer is invalidated: its connection broke (${e.message})`, { cause: e, details: { peer: plan.ep.identity.nodeId } });
+      }
+      throw e;
+    }
+  }
+
+  /**
    * Prepare a transfer to post many times: the requests are validated and decoded once, the
    * transport is chosen once, adjacent requests are merged and the chunk plan is computed
    * once. `run()` posts it. Each post re-checks what can change between posts: a revoked local
-   * registration is InvalidInputError; a broken connection or a restarted peer invalidates the
-   * prepared transfer (ConnectionBrokenError, on this post and every later one); a grant the
-   * peer revoked is refused by the peer (RemoteRejectedError). Bytes are never stale.
+   * registration is InvalidInputError; a broken connection (also one its dial finds broken:
+   * the peer's process is gone) or a restarted peer invalidates the prepared transfer
+   * (ConnectionBrokenError, on this post and every later one); a grant the peer revoked is
+   * refused by the peer (RemoteRejectedError), as is a dial that another process now at the
+   * peer's address refuses (it names the incarnation it is). Bytes are never stale.
    */
   async prepare(peer: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[], options: PrepareOptions): Promise<PreparedTransfer> {
     this.#assertOpen();
@@ -1469,8 +1489,8 @@ export class TransferEngine {
     try {
       for (let attempt = 0; ; attempt++) {
         const prev = state.pc;
-        let pc = prev && this.#table.get(prev.key) === prev && prev.conn?.isOpen === true ? prev : await this.#connection(plan.ep, plan.transport, signal);
-        if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal);
+        let pc = prev && this.#table.get(prev.key) === prev && prev.conn?.isOpen === true ? prev : await this.#preparedConnection(state, plan, signal);
+        if (!pc.conn?.isOpen) pc = await this.#preparedConnection(state, plan, signal);
         const conn = pc.conn as TransportConnection;
         if (state.pc !== pc || !state.split || state.split.conn !== conn) {
           // First post, or the old connection was retired in an orderly way: plan for this one.
@@ -1901,6 +1921,12 @@ export class TransferEngine {
     }
     const peer = conn.peer;
     if (peer.nodeId === this.identity.nodeId) return; // a loopback connection to ourselves: it only serves
+    // The node itself dialled us as a new incarnation: it restarted. Whatever its earlier
+    // incarnations hold here goes now, not when their sockets close (a hung old process would
+    // otherwise keep the per-node budgets of the transport, e.g. the kit's send ledger, that
+    // the new incarnation shares). Endpoints that we dial never do this: a stale one must not
+    // take down a live connection.
+    this.#disposeOtherIncarnations(peer);
     const key = connectionKey(peer, t.name);
     let pc = this.#table.get(key);
     if (!pc) {
@@ -1948,6 +1974,17 @@ export class TransferEngine {
       this.metrics?.connectionEvents.inc({ transport: t.name, event: 'retired' });
       void old.conn.retire().catch(() => undefined);
     }
+  }
+
+  #disposeOtherIncarnations(peer: NodeIdentity): void {
+    let victims: PeerConnection[] | undefined;
+    for (const [key, pc] of this.#table) {
+      if (pc.peer.nodeId === peer.nodeId && pc.peer.incarnation !== peer.incarnation) {
+        this.#table.delete(key);
+        (victims ??= []).push(pc);
+      }
+    }
+    if (victims) for (const pc of victims) void this.#dispose(pc, new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`), 'invalidated');
   }
 
   #invalidateEntry(pc: PeerConnection, conn: TransportConnection, error: TensorwireError): void {

@@ -395,16 +395,36 @@ describe('the connection table and its lifecycle metrics', () => {
       expect(first.executes).toBe(2);
       expect(s.ta.connectCalls).toBe(2); // no dial: its connection was still open
       expect(current.closes).toBe(0);
-      // An inbound connection from the old incarnation is settled against the old one's entry only.
-      s.ta.inbound(s.b.identity);
-      expect(current.closes).toBe(0);
-      expect(current.retired).toBe(false);
       ac.abort();
       expect(await inFlight).toBeInstanceOf(AbortedError); // its own ending, nothing else's
       expect(s.a.connections().map((c) => c.peer.incarnation)).toContain('second');
     } finally {
       await b2.close();
     }
+  });
+
+  it('a prepared transfer whose connection was retired in order, then found gone by its next dial, is invalidated for good', async () => {
+    await using s = await setup('pg-a', 'pg-b');
+    const local = await s.a.register({ kind: 'host', buffer: new Uint8Array(64) });
+    const remote = (await s.b.register({ kind: 'host', buffer: new Uint8Array(64) })).descriptor;
+    const p = await s.a.prepare(s.b.endpoint(), [{ local, remote }], { op: 'read' });
+    await p.run();
+    (s.ta.connections[0] as ProbeConnection).peerRetired(); // idle, GOAWAY: no error
+    s.ta.connectError = new ConnectionBrokenError('probe: connection refused');
+    const first = await outcome(p.run());
+    expect(first).toBeInstanceOf(ConnectionBrokenError);
+    expect((first as ConnectionBrokenError).message).toBe('prepared transfer is invalidated: its connection broke (probe: connection refused)');
+    s.ta.connectError = undefined; // even if something answers there again
+    expect(await outcome(p.run())).toBeInstanceOf(ConnectionBrokenError);
+    expect(s.ta.connectCalls).toBe(2); // the second post did not dial
+    // Another refusal (not a broken connection) is the post's error only.
+    const q = await s.a.prepare(s.b.endpoint(), [{ local, remote }], { op: 'read' });
+    await q.run();
+    (s.ta.connections[1] as ProbeConnection).peerRetired();
+    s.ta.connectError = new InvalidInputError('probe: refused');
+    expect(await outcome(q.run())).toBe(s.ta.connectError);
+    s.ta.connectError = undefined;
+    await q.run();
   });
 
   it('an endpoint of an incarnation never seen is dialled beside the live connection, which a failed handshake leaves alone', async () => {
@@ -541,17 +561,15 @@ describe('inbound connections and simultaneous open (#inbound)', () => {
     expect(s.a.connections().map((c) => c.initiator)).toEqual([s.b.identity.nodeId]);
   });
 
-  it('an inbound connection from a new incarnation of a peer is adopted beside the old entry, which stays open', async () => {
+  it('an inbound connection from a new incarnation (the peer restarted and dialled us) replaces every entry of its earlier incarnations, closed as invalidated', async () => {
     await using s = await setup('ja', 'jb');
     await s.read();
     const ours = s.ta.connections[0] as ProbeConnection;
     const theirs = s.ta.inbound({ ...s.b.identity, incarnation: 'restarted' });
-    expect(ours.closes).toBe(0);
-    expect(s.a.connections().map((c) => [c.peer.incarnation, c.initiator])).toEqual([
-      [s.b.identity.incarnation, s.a.identity.nodeId],
-      ['restarted', s.b.identity.nodeId],
-    ]);
+    expect(ours.closedWith?.message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
+    expect(s.a.connections().map((c) => [c.peer.incarnation, c.initiator])).toEqual([['restarted', s.b.identity.nodeId]]);
     expect(theirs.retired).toBe(false);
+    expect(await events(s.a)).toMatchObject({ opened: 1, adopted: 1, invalidated: 1 });
   });
 
   it('an inbound connection after close() is closed with ClosedError', async () => {

@@ -246,7 +246,7 @@ export interface RdmaControlLimits {
   readonly maxInboundHandshakes: number;
   /**
    * Connections one peer incarnation may have open or opening to this node; past it a HELLO is
-   * refused `too-many-connections`. The engine keeps one per peer (two for a moment while a
+   * refused `too-many-connections`. The engine keeps one per peer incarnation (two for a moment while a
    * simultaneous open settles). Default 8.
    */
   readonly maxConnectionsPerPeer: number;
