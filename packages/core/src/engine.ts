@@ -867,7 +867,8 @@ export class TransferEngine {
    * (invariant 1). Each incarnation of a node is its own peer: a read goes to the incarnation
    * its endpoint names, whose handshake proves it, so the bytes always come from the process
    * that issued the descriptor. A new incarnation's connection is opened beside the old one's
-   * and disturbs nothing; the old one ends when its process goes away (closed, refused, idle).
+   * and disturbs nothing; the old one ends when its process goes away (closed, idle), or, for
+   * connections the node opened, when it dials in as another incarnation (#inbound).
    */
   readonly #table = new Map<string, PeerConnection>();
   readonly #registrations = new IdRegistry<Registration, 'block'>('block');
@@ -1425,32 +1426,15 @@ export class TransferEngine {
   }
 
   /**
-   * A prepared transfer's dial. One that finds the peer's incarnation gone for good (the
-   * connection broke: nothing listens at its address, or what answers there is another
-   * process) invalidates the transfer as a broken connection does: this post and every later
-   * one fail ConnectionBrokenError without dialling again.
-   */
-  async #preparedConnection(state: { broken: TensorwireError | undefined }, plan: Plan, signal: AbortSignal): Promise<PeerConnection> {
-    try {
-      return await this.#connection(plan.ep, plan.transport, signal);
-    } catch (e) {
-      if (e instanceof ConnectionBrokenError) {
-        state.broken = e;
-        throw new ConnectionBrokenError(`prepared transfer is invalidated: its connection broke (${e.message})`, { cause: e, details: { peer: plan.ep.identity.nodeId } });
-      }
-      throw e;
-    }
-  }
-
-  /**
    * Prepare a transfer to post many times: the requests are validated and decoded once, the
    * transport is chosen once, adjacent requests are merged and the chunk plan is computed
    * once. `run()` posts it. Each post re-checks what can change between posts: a revoked local
-   * registration is InvalidInputError; a broken connection (also one its dial finds broken:
-   * the peer's process is gone) or a restarted peer invalidates the prepared transfer
-   * (ConnectionBrokenError, on this post and every later one); a grant the peer revoked is
-   * refused by the peer (RemoteRejectedError), as is a dial that another process now at the
-   * peer's address refuses (it names the incarnation it is). Bytes are never stale.
+   * registration is InvalidInputError; a connection that broke under it (the peer's process
+   * went away, it restarted and dialled in as its new incarnation, invalidate()) invalidates
+   * the prepared transfer (ConnectionBrokenError, on this post and every later one); a grant
+   * the peer revoked is refused by the peer (RemoteRejectedError). A connection retired in
+   * order (GOAWAY, idle) is dialled again on the next post, which then fails with the dial's
+   * own error if the incarnation is gone. Bytes are never stale.
    */
   async prepare(peer: Uint8Array | PeerEndpoint, requests: readonly TransferRequest[], options: PrepareOptions): Promise<PreparedTransfer> {
     this.#assertOpen();
@@ -1489,8 +1473,8 @@ export class TransferEngine {
     try {
       for (let attempt = 0; ; attempt++) {
         const prev = state.pc;
-        let pc = prev && this.#table.get(prev.key) === prev && prev.conn?.isOpen === true ? prev : await this.#preparedConnection(state, plan, signal);
-        if (!pc.conn?.isOpen) pc = await this.#preparedConnection(state, plan, signal);
+        let pc = prev && this.#table.get(prev.key) === prev && prev.conn?.isOpen === true ? prev : await this.#connection(plan.ep, plan.transport, signal);
+        if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal);
         const conn = pc.conn as TransportConnection;
         if (state.pc !== pc || !state.split || state.split.conn !== conn) {
           // First post, or the old connection was retired in an orderly way: plan for this one.
@@ -1921,11 +1905,12 @@ export class TransferEngine {
     }
     const peer = conn.peer;
     if (peer.nodeId === this.identity.nodeId) return; // a loopback connection to ourselves: it only serves
-    // The node itself dialled us as a new incarnation: it restarted. Whatever its earlier
-    // incarnations hold here goes now, not when their sockets close (a hung old process would
-    // otherwise keep the per-node budgets of the transport, e.g. the kit's send ledger, that
-    // the new incarnation shares). Endpoints that we dial never do this: a stale one must not
-    // take down a live connection.
+    // The node dialled us as another incarnation than it opened its other connections here
+    // with: those go now, not when their sockets close (a hung old process would otherwise
+    // keep the per-node budgets of the transport, e.g. the kit's send ledger, that its
+    // successor shares). Only connections the node opened: incarnations carry no order, so an
+    // old process dialling in late must not take down the connections we opened to its
+    // successor, and endpoints we dial never end anything.
     this.#disposeOtherIncarnations(peer);
     const key = connectionKey(peer, t.name);
     let pc = this.#table.get(key);
@@ -1979,7 +1964,7 @@ export class TransferEngine {
   #disposeOtherIncarnations(peer: NodeIdentity): void {
     let victims: PeerConnection[] | undefined;
     for (const [key, pc] of this.#table) {
-      if (pc.peer.nodeId === peer.nodeId && pc.peer.incarnation !== peer.incarnation) {
+      if (pc.peer.nodeId === peer.nodeId && pc.peer.incarnation !== peer.incarnation && pc.conn?.initiator === peer.nodeId) {
         this.#table.delete(key);
         (victims ??= []).push(pc);
       }

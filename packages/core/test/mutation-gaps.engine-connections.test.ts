@@ -403,30 +403,6 @@ describe('the connection table and its lifecycle metrics', () => {
     }
   });
 
-  it('a prepared transfer whose connection was retired in order, then found gone by its next dial, is invalidated for good', async () => {
-    await using s = await setup('pg-a', 'pg-b');
-    const local = await s.a.register({ kind: 'host', buffer: new Uint8Array(64) });
-    const remote = (await s.b.register({ kind: 'host', buffer: new Uint8Array(64) })).descriptor;
-    const p = await s.a.prepare(s.b.endpoint(), [{ local, remote }], { op: 'read' });
-    await p.run();
-    (s.ta.connections[0] as ProbeConnection).peerRetired(); // idle, GOAWAY: no error
-    s.ta.connectError = new ConnectionBrokenError('probe: connection refused');
-    const first = await outcome(p.run());
-    expect(first).toBeInstanceOf(ConnectionBrokenError);
-    expect((first as ConnectionBrokenError).message).toBe('prepared transfer is invalidated: its connection broke (probe: connection refused)');
-    s.ta.connectError = undefined; // even if something answers there again
-    expect(await outcome(p.run())).toBeInstanceOf(ConnectionBrokenError);
-    expect(s.ta.connectCalls).toBe(2); // the second post did not dial
-    // Another refusal (not a broken connection) is the post's error only.
-    const q = await s.a.prepare(s.b.endpoint(), [{ local, remote }], { op: 'read' });
-    await q.run();
-    (s.ta.connections[1] as ProbeConnection).peerRetired();
-    s.ta.connectError = new InvalidInputError('probe: refused');
-    expect(await outcome(q.run())).toBe(s.ta.connectError);
-    s.ta.connectError = undefined;
-    await q.run();
-  });
-
   it('an endpoint of an incarnation never seen is dialled beside the live connection, which a failed handshake leaves alone', async () => {
     await using s = await setup('nv-a', 'nv-b');
     await s.read();
@@ -561,15 +537,42 @@ describe('inbound connections and simultaneous open (#inbound)', () => {
     expect(s.a.connections().map((c) => c.initiator)).toEqual([s.b.identity.nodeId]);
   });
 
-  it('an inbound connection from a new incarnation (the peer restarted and dialled us) replaces every entry of its earlier incarnations, closed as invalidated', async () => {
+  it('a node dialling in as a new incarnation ends the connections its earlier incarnations opened here, closed as invalidated', async () => {
     await using s = await setup('ja', 'jb');
-    await s.read();
-    const ours = s.ta.connections[0] as ProbeConnection;
-    const theirs = s.ta.inbound({ ...s.b.identity, incarnation: 'restarted' });
-    expect(ours.closedWith?.message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
+    const theirs = s.ta.inbound(s.b.identity); // the node's first incarnation opened it
+    await s.read(); // and it carries our reads too
+    const next = s.ta.inbound({ ...s.b.identity, incarnation: 'restarted' });
+    expect(theirs.closedWith?.message).toBe(`peer ${s.b.identity.nodeId} restarted (incarnation changed)`);
     expect(s.a.connections().map((c) => [c.peer.incarnation, c.initiator])).toEqual([['restarted', s.b.identity.nodeId]]);
-    expect(theirs.retired).toBe(false);
-    expect(await events(s.a)).toMatchObject({ opened: 1, adopted: 1, invalidated: 1 });
+    expect(next.retired).toBe(false);
+    expect(await events(s.a)).toMatchObject({ adopted: 2, invalidated: 1 });
+    expect(s.ta.connectCalls).toBe(0);
+  });
+
+  it('connections we opened are never ended by an inbound one from another incarnation: not the old one\'s, and not the successor\'s when an old process dials in late', async () => {
+    await using s = await setup('jc', 'jd');
+    await s.read();
+    const ours = s.ta.connections[0] as ProbeConnection; // to the first incarnation, opened by us
+    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
+    try {
+      await b2.start();
+      s.ta.inbound(b2.identity); // the successor dials in
+      expect(ours.closes).toBe(0);
+      await s.a.connect(b2.endpoint()); // its inbound connection serves our reads too
+      const oursToNext = await (async () => {
+        await s.a.invalidate(s.b.identity.nodeId, 'test: start over', { incarnation: 'second' });
+        await s.a.connect(b2.endpoint());
+        return s.ta.connections.at(-1) as ProbeConnection; // now one we opened
+      })();
+      expect(oursToNext.initiator).toBe(s.a.identity.nodeId);
+      // The old process wakes up and dials in late.
+      const late = s.ta.inbound(s.b.identity);
+      expect(oursToNext.closes).toBe(0);
+      expect(late.closedWith).toBeUndefined();
+      expect(s.a.connections().map((c) => c.peer.incarnation).sort()).toEqual([s.b.identity.incarnation, 'second'].sort());
+    } finally {
+      await b2.close();
+    }
   });
 
   it('an inbound connection after close() is closed with ClosedError', async () => {
