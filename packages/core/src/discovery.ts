@@ -706,9 +706,9 @@ export interface DiscoveryAttachment extends Disposable {
 
 /**
  * Follow `discovery` on behalf of `engine`: when a peer's incarnation changes or it is
- * removed, the engine's connections to that incarnation are invalidated (a successor's
- * connections, which a lease may have opened first, stay) (one step per connection, inside
- * the discovery's change notification, so before any new transfer can start), and the
+ * removed, the engine's connections to that incarnation are invalidated (one step per
+ * connection, inside the discovery's change notification, so before any new transfer can
+ * start; a successor's connections, which a lease may have opened first, stay), and the
  * signals handed out by `signalFor` for the ended incarnation abort. Connections already
  * open to an incarnation the discovery no longer lists are invalidated when attaching.
  */
