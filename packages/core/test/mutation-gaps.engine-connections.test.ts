@@ -403,6 +403,27 @@ describe('the connection table and its lifecycle metrics', () => {
     }
   });
 
+  it('invalidate(nodeId, reason, { incarnation }) drops that incarnation\'s connections only', async () => {
+    await using s = await setup('iv-a', 'iv-b');
+    await s.read();
+    const first = s.ta.connections[0] as ProbeConnection;
+    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
+    try {
+      await b2.start();
+      await s.a.connect(b2.endpoint());
+      const second = s.ta.connections[1] as ProbeConnection;
+      await s.a.invalidate(s.b.identity.nodeId, 'test: the first incarnation ended', { incarnation: s.b.identity.incarnation });
+      expect(first.closedWith?.message).toBe('test: the first incarnation ended');
+      expect(second.closes).toBe(0);
+      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+      await s.a.invalidate(s.b.identity.nodeId, 'test: all of it');
+      expect(second.closedWith?.message).toBe('test: all of it');
+      expect(s.a.connections()).toEqual([]);
+    } finally {
+      await b2.close();
+    }
+  });
+
   it('an endpoint of an incarnation never seen is dialled beside the live connection, which a failed handshake leaves alone', async () => {
     await using s = await setup('nv-a', 'nv-b');
     await s.read();
