@@ -218,6 +218,13 @@ async function setup(me: string, peer: string, extra: Record<string, unknown> = 
   };
 }
 
+/** Another incarnation of `b`'s node (as after a restart), started; disposed with `await using`. */
+async function incarnationOf(b: TransferEngine, incarnation: string): Promise<TransferEngine> {
+  const e = new TransferEngine({ nodeId: b.identity.nodeId, incarnation, transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
+  await e.start();
+  return e;
+}
+
 /** Connection lifecycle counts of engine `e` by event (`tensorwire_connection_events_total`). */
 async function events(e: TransferEngine): Promise<Record<string, number>> {
   const out: Record<string, number> = {};
@@ -358,91 +365,71 @@ describe('the connection table and its lifecycle metrics', () => {
     await using s = await setup('inc-a', 'inc-b');
     await s.read();
     const first = s.ta.connections[0] as ProbeConnection;
-    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
-    try {
-      await b2.start();
-      const info = await s.a.connect(b2.endpoint());
-      expect(info.peer.incarnation).toBe('second');
-      expect(first.closes).toBe(0);
-      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual([s.b.identity.incarnation, 'second']);
-      expect(await events(s.a)).toEqual({ opened: 2 });
-      first.lost(new ConnectionBrokenError('probe: the old process went away'));
-      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
-      expect(await events(s.a)).toEqual({ opened: 2, closed: 1 });
-    } finally {
-      await b2.close();
-    }
+    await using b2 = await incarnationOf(s.b, 'second');
+    const info = await s.a.connect(b2.endpoint());
+    expect(info.peer.incarnation).toBe('second');
+    expect(first.closes).toBe(0);
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual([s.b.identity.incarnation, 'second']);
+    expect(await events(s.a)).toEqual({ opened: 2 });
+    first.lost(new ConnectionBrokenError('probe: the old process went away'));
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+    expect(await events(s.a)).toEqual({ opened: 2, closed: 1 });
   });
 
   it('a stale endpoint of the earlier incarnation goes to that incarnation\'s own connection; the new one\'s connection and its transfer in flight are left alone', async () => {
     await using s = await setup('st-a', 'st-b');
     await s.read();
     const first = s.ta.connections[0] as ProbeConnection;
-    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
-    try {
-      await b2.start();
-      const remote2 = (await b2.register({ kind: 'host', buffer: new Uint8Array(64) })).descriptor;
-      const local = await s.a.register({ kind: 'host', buffer: new Uint8Array(64) });
-      await s.a.connect(b2.endpoint());
-      const current = s.ta.connections[1] as ProbeConnection;
-      s.ta.mode = ['hang'];
-      const ac = new AbortController();
-      const inFlight = outcome(s.a.read(b2.endpoint(), [{ local, remote: remote2 }], { signal: ac.signal }));
-      await tick();
-      expect(current.executes).toBe(1);
-      // A stale endpoint (an old lease, an old discovery record) names the first incarnation.
-      await s.read();
-      expect(first.executes).toBe(2);
-      expect(s.ta.connectCalls).toBe(2); // no dial: its connection was still open
-      expect(current.closes).toBe(0);
-      ac.abort();
-      expect(await inFlight).toBeInstanceOf(AbortedError); // its own ending, nothing else's
-      expect(s.a.connections().map((c) => c.peer.incarnation)).toContain('second');
-    } finally {
-      await b2.close();
-    }
+    await using b2 = await incarnationOf(s.b, 'second');
+    const remote2 = (await b2.register({ kind: 'host', buffer: new Uint8Array(64) })).descriptor;
+    const local = await s.a.register({ kind: 'host', buffer: new Uint8Array(64) });
+    await s.a.connect(b2.endpoint());
+    const current = s.ta.connections[1] as ProbeConnection;
+    s.ta.mode = ['hang'];
+    const ac = new AbortController();
+    const inFlight = outcome(s.a.read(b2.endpoint(), [{ local, remote: remote2 }], { signal: ac.signal }));
+    await tick();
+    expect(current.executes).toBe(1);
+    // A stale endpoint (an old lease, an old discovery record) names the first incarnation.
+    await s.read();
+    expect(first.executes).toBe(2);
+    expect(s.ta.connectCalls).toBe(2); // no dial: its connection was still open
+    expect(current.closes).toBe(0);
+    ac.abort();
+    expect(await inFlight).toBeInstanceOf(AbortedError); // its own ending, nothing else's
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toContain('second');
   });
 
   it('invalidate(nodeId, reason, { incarnation }) drops that incarnation\'s connections only', async () => {
     await using s = await setup('iv-a', 'iv-b');
     await s.read();
     const first = s.ta.connections[0] as ProbeConnection;
-    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
-    try {
-      await b2.start();
-      await s.a.connect(b2.endpoint());
-      const second = s.ta.connections[1] as ProbeConnection;
-      await s.a.invalidate(s.b.identity.nodeId, 'test: the first incarnation ended', { incarnation: s.b.identity.incarnation });
-      expect(first.closedWith?.message).toBe('test: the first incarnation ended');
-      expect(second.closes).toBe(0);
-      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
-      await s.a.invalidate(s.b.identity.nodeId, 'test: all of it');
-      expect(second.closedWith?.message).toBe('test: all of it');
-      expect(s.a.connections()).toEqual([]);
-    } finally {
-      await b2.close();
-    }
+    await using b2 = await incarnationOf(s.b, 'second');
+    await s.a.connect(b2.endpoint());
+    const second = s.ta.connections[1] as ProbeConnection;
+    await s.a.invalidate(s.b.identity.nodeId, 'test: the first incarnation ended', { incarnation: s.b.identity.incarnation });
+    expect(first.closedWith?.message).toBe('test: the first incarnation ended');
+    expect(second.closes).toBe(0);
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
+    await s.a.invalidate(s.b.identity.nodeId, 'test: all of it');
+    expect(second.closedWith?.message).toBe('test: all of it');
+    expect(s.a.connections()).toEqual([]);
   });
 
   it('an endpoint of an incarnation never seen is dialled beside the live connection, which a failed handshake leaves alone', async () => {
     await using s = await setup('nv-a', 'nv-b');
     await s.read();
     const first = s.ta.connections[0] as ProbeConnection;
-    const b3 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'third', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
-    try {
-      await b3.start();
-      s.ta.connectError = new ConnectionBrokenError('probe: WRONG_PEER');
-      expect(await outcome(s.a.connect(b3.endpoint()))).toBe(s.ta.connectError);
-      expect(first.closes).toBe(0);
-      expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual([s.b.identity.incarnation]);
-      s.ta.connectError = undefined;
-      await s.read(); // on the same connection
-      expect(s.ta.connectCalls).toBe(2);
-      expect(first.executes).toBe(2);
-      expect(await events(s.a)).toEqual({ opened: 1 });
-    } finally {
-      await b3.close();
-    }
+    await using b3 = await incarnationOf(s.b, 'third');
+    s.ta.connectError = new ConnectionBrokenError('probe: WRONG_PEER');
+    expect(await outcome(s.a.connect(b3.endpoint()))).toBe(s.ta.connectError);
+    expect(first.closes).toBe(0);
+    expect(s.a.connections().map((c) => c.peer.incarnation)).toEqual([s.b.identity.incarnation]);
+    s.ta.connectError = undefined;
+    await s.read(); // on the same connection
+    expect(s.ta.connectCalls).toBe(2);
+    expect(first.executes).toBe(2);
+    expect(await events(s.a)).toEqual({ opened: 1 });
   });
 
   it('a failed connect rejects with its error, counts it, leaves no entry, and the next transfer connects again', async () => {
@@ -574,26 +561,21 @@ describe('inbound connections and simultaneous open (#inbound)', () => {
     await using s = await setup('jc', 'jd');
     await s.read();
     const ours = s.ta.connections[0] as ProbeConnection; // to the first incarnation, opened by us
-    const b2 = new TransferEngine({ nodeId: s.b.identity.nodeId, incarnation: 'second', transports: [new ProbeTransport()], logger: silentLogger, metrics: false });
-    try {
-      await b2.start();
-      s.ta.inbound(b2.identity); // the successor dials in
-      expect(ours.closes).toBe(0);
-      await s.a.connect(b2.endpoint()); // its inbound connection serves our reads too
-      const oursToNext = await (async () => {
-        await s.a.invalidate(s.b.identity.nodeId, 'test: start over', { incarnation: 'second' });
-        await s.a.connect(b2.endpoint());
-        return s.ta.connections.at(-1) as ProbeConnection; // now one we opened
-      })();
-      expect(oursToNext.initiator).toBe(s.a.identity.nodeId);
-      // The old process wakes up and dials in late.
-      const late = s.ta.inbound(s.b.identity);
-      expect(oursToNext.closes).toBe(0);
-      expect(late.closedWith).toBeUndefined();
-      expect(s.a.connections().map((c) => c.peer.incarnation).sort()).toEqual([s.b.identity.incarnation, 'second'].sort());
-    } finally {
-      await b2.close();
-    }
+    await using b2 = await incarnationOf(s.b, 'second');
+    s.ta.inbound(b2.identity); // the successor dials in
+    expect(ours.closes).toBe(0);
+    await s.a.connect(b2.endpoint()); // its inbound connection serves our reads too
+    const oursToNext = await (async () => {
+      await s.a.invalidate(s.b.identity.nodeId, 'test: start over', { incarnation: 'second' });
+      await s.a.connect(b2.endpoint());
+      return s.ta.connections.at(-1) as ProbeConnection; // now one we opened
+    })();
+    expect(oursToNext.initiator).toBe(s.a.identity.nodeId);
+    // The old process wakes up and dials in late.
+    const late = s.ta.inbound(s.b.identity);
+    expect(oursToNext.closes).toBe(0);
+    expect(late.closedWith).toBeUndefined();
+    expect(s.a.connections().map((c) => c.peer.incarnation).sort()).toEqual([s.b.identity.incarnation, 'second'].sort());
   });
 
   it('an inbound connection after close() is closed with ClosedError', async () => {
