@@ -1241,13 +1241,7 @@ export class TransferEngine {
   async invalidate(nodeId: string, reason = 'invalidated by caller', options: InvalidateOptions = {}): Promise<void> {
     const only = options.incarnation;
     this.#choiceCache = new WeakMap();
-    const victims: PeerConnection[] = [];
-    for (const [key, pc] of this.#table) {
-      if (pc.peer.nodeId === nodeId && (only === undefined || pc.peer.incarnation === only)) {
-        this.#table.delete(key);
-        victims.push(pc);
-      }
-    }
+    const victims = this.#takeEntries((pc) => pc.peer.nodeId === nodeId && (only === undefined || pc.peer.incarnation === only));
     await Promise.allSettled(victims.map((pc) => this.#dispose(pc, new ConnectionBrokenError(reason, { details: { peer: nodeId } }), 'invalidated')));
   }
 
@@ -1962,14 +1956,20 @@ export class TransferEngine {
   }
 
   #disposeOtherIncarnations(peer: NodeIdentity): void {
-    let victims: PeerConnection[] | undefined;
+    const victims = this.#takeEntries((pc) => pc.peer.nodeId === peer.nodeId && pc.peer.incarnation !== peer.incarnation && pc.conn?.initiator === peer.nodeId);
+    for (const pc of victims) void this.#dispose(pc, new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`), 'invalidated');
+  }
+
+  /** Remove the entries `match` selects from the table, in one step each, and return them. */
+  #takeEntries(match: (pc: PeerConnection) => boolean): PeerConnection[] {
+    const taken: PeerConnection[] = [];
     for (const [key, pc] of this.#table) {
-      if (pc.peer.nodeId === peer.nodeId && pc.peer.incarnation !== peer.incarnation && pc.conn?.initiator === peer.nodeId) {
+      if (match(pc)) {
         this.#table.delete(key);
-        (victims ??= []).push(pc);
+        taken.push(pc);
       }
     }
-    if (victims) for (const pc of victims) void this.#dispose(pc, new ConnectionBrokenError(`peer ${peer.nodeId} restarted (incarnation changed)`), 'invalidated');
+    return taken;
   }
 
   #invalidateEntry(pc: PeerConnection, conn: TransportConnection, error: TensorwireError): void {

@@ -337,16 +337,22 @@ describe('attachDiscovery', () => {
       return { engine, descriptor: reg.descriptor, seed };
     }
 
-    it('a restarted holder gets a fresh connection; the old incarnation\'s connection is gone before the next read; stale descriptors are refused', async () => {
-      const requester = new TransferEngine({ nodeId: 'requester', transports: [new TcpTransport()], logger: silentLogger, metrics: false });
+    /** A requester following a discovery, with a 64 KiB destination registered. */
+    async function following(): Promise<{ requester: TransferEngine; dst: Uint8Array; local: Registration; disc: StaticDiscovery }> {
+      const requester = new TransferEngine({ nodeId: 'requester', transports: [new TcpTransport()], logger: silentLogger });
       closers.push(() => requester.close());
       await requester.start();
       const dst = new Uint8Array(64 * 1024);
       const local = await requester.register({ kind: 'host', buffer: dst });
       const disc = new StaticDiscovery();
       closers.push(() => disc.close());
-      using _att = attachDiscovery(requester, disc);
+      const att = attachDiscovery(requester, disc);
+      closers.push(async () => att.detach());
+      return { requester, dst, local, disc };
+    }
 
+    it('a restarted holder gets a fresh connection; the old incarnation\'s connection is gone before the next read; stale descriptors are refused', async () => {
+      const { requester, dst, local, disc } = await following();
       const h1 = await holder('first');
       disc.set(nodeRecordFor(h1.engine));
       const r1 = (await disc.lookup('holder')) as NodeRecord;
@@ -366,20 +372,6 @@ describe('attachDiscovery', () => {
       expect(Buffer.compare(dst, pattern(dst.length, h2.seed))).toBe(0);
       expect(requester.connections().map((c) => c.peer.incarnation)).toEqual(['second']);
     });
-
-    /** A requester following a discovery, with a 64 KiB destination registered. */
-    async function following(): Promise<{ requester: TransferEngine; dst: Uint8Array; local: Registration; disc: StaticDiscovery }> {
-      const requester = new TransferEngine({ nodeId: 'requester', transports: [new TcpTransport()], logger: silentLogger });
-      closers.push(() => requester.close());
-      await requester.start();
-      const dst = new Uint8Array(64 * 1024);
-      const local = await requester.register({ kind: 'host', buffer: dst });
-      const disc = new StaticDiscovery();
-      closers.push(() => disc.close());
-      const att = attachDiscovery(requester, disc);
-      closers.push(async () => att.detach());
-      return { requester, dst, local, disc };
-    }
 
     // A lease named the new incarnation, and the requester read from it, before discovery
     // listed it. Discovery then reports the restart either as one change or, as etcd does (the
