@@ -142,6 +142,14 @@ export const MUTANTS = [
     replace: '',
     tests: ['test/batch.test.ts'],
   },
+  {
+    id: 'pool-last-piece',
+    what: 'the copy pool leaves the last piece of a threaded group uncopied (copyThreads > 1)',
+    file: 'copy_pool.cc',
+    find: /if \(p >= pieces\) return;/,
+    replace: 'if (p + 1 >= pieces) return;',
+    tests: ['test/copy-threads.test.ts'],
+  },
 ];
 
 function run(cmd, args, opts = {}) {

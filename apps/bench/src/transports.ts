@@ -17,6 +17,20 @@ export function isTransportChoice(text: unknown): text is TransportChoice {
 }
 
 /** Why the same-host transport cannot be built in this process, or undefined when it can. */
+/** The environment variable `--copy-threads` sets for this process and the workers it forks. */
+export const COPY_THREADS_ENV = 'TENSORWIRE_BENCH_COPY_THREADS';
+
+/** The same-host transport as the bench builds it: `copyThreads` from `--copy-threads`, else the library default. */
+function sameHostTransport(): CudaIpcTransport {
+  const raw = process.env[COPY_THREADS_ENV];
+  return raw ? new CudaIpcTransport({ copyThreads: Number(raw) }) : new CudaIpcTransport();
+}
+
+/** What the notes say about the same-host transport's copy threads. */
+function copyThreadsNote(t: CudaIpcTransport): string {
+  return `cuda-ipc copies host batches of 1 MiB and more on up to ${t.copyThreads} thread(s) (${process.env[COPY_THREADS_ENV] ? '--copy-threads' : "the library default: half this process's available cores, 1 to 4"})`;
+}
+
 export function sameHostUnavailable(): string | undefined {
   const caps = capabilities();
   return caps.sharedMemory.available ? undefined : (caps.sharedMemory.reason ?? 'shared memory unavailable');
@@ -29,7 +43,7 @@ export function sameHostUnavailable(): string | undefined {
 export function holderTransports(tcp: TcpTransportOptions = {}): { transports: Transport[]; notes: string[] } {
   const why = sameHostUnavailable();
   const transports: Transport[] = [];
-  if (why === undefined) transports.push(new CudaIpcTransport());
+  if (why === undefined) transports.push(sameHostTransport());
   transports.push(new TcpTransport(tcp));
   return { transports, notes: why === undefined ? [] : [`holder serves TCP only: the same-host transport is unavailable (${why})`] };
 }
@@ -43,11 +57,13 @@ export function requesterTransports(choice: TransportChoice, tcp: TcpTransportOp
   const why = sameHostUnavailable();
   if (choice === 'cuda-ipc') {
     if (why !== undefined) throw new BenchError(`--transport cuda-ipc: the same-host transport is unavailable here (${why})`);
-    return { transports: [new CudaIpcTransport()], notes: [] };
+    const t = sameHostTransport();
+    return { transports: [t], notes: [copyThreadsNote(t)] };
   }
   if (choice === 'tcp') return { transports: [new TcpTransport(tcp)], notes: [] };
   const transports: Transport[] = [];
-  if (why === undefined) transports.push(new CudaIpcTransport());
+  const sameHost = why === undefined ? sameHostTransport() : undefined;
+  if (sameHost) transports.push(sameHost);
   transports.push(new TcpTransport(tcp));
-  return { transports, notes: why === undefined ? [] : [`requester has TCP only: the same-host transport is unavailable (${why})`] };
+  return { transports, notes: sameHost ? [copyThreadsNote(sameHost)] : [`requester has TCP only: the same-host transport is unavailable (${why})`] };
 }

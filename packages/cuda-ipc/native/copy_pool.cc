@@ -13,33 +13,47 @@ CopyPool::~CopyPool() {
   for (auto& t : threads_) t.join();
 }
 
-bool CopyPool::Run(uint32_t n, Fn fn, void* ctx) {
-  if (n <= 1) {
-    fn(0, ctx);
-    return true;
+void CopyPool::Drain(Fn fn, void* ctx, uint32_t pieces) {
+  for (;;) {
+    uint32_t p = next_.fetch_add(1, std::memory_order_relaxed);
+    if (p >= pieces) return;
+    fn(p, ctx);
   }
-  if (n - 1 > kMaxThreads) n = kMaxThreads + 1;
+}
+
+void CopyPool::Run(uint32_t pieces, uint32_t threads, Fn fn, void* ctx) {
+  uint32_t helpers = threads < pieces ? threads : pieces;
+  helpers = helpers > 0 ? helpers - 1 : 0;
+  if (helpers > kMaxThreads) helpers = kMaxThreads;
   try {
-    while (threads_.size() < n - 1) {
-      uint32_t index = static_cast<uint32_t>(threads_.size()) + 1;
-      threads_.emplace_back([this, index] { Loop(index); });
-    }
+    while (threads_.size() < helpers) threads_.emplace_back([this] { Loop(); });
   } catch (...) {
-    if (threads_.empty()) return false;
-    n = static_cast<uint32_t>(threads_.size()) + 1;
+    // Out of threads: run with those there are (none: the caller copies every piece).
+    helpers = static_cast<uint32_t>(threads_.size());
+  }
+  if (helpers == 0) {
+    for (uint32_t p = 0; p < pieces; p++) fn(p, ctx);
+    return;
   }
   {
     std::lock_guard<std::mutex> l(mu_);
     fn_ = fn;
     ctx_ = ctx;
-    shares_ = n;
-    pending_.store(n - 1, std::memory_order_relaxed);
+    pieces_ = pieces;
+    seats_ = helpers;
+    next_.store(0, std::memory_order_relaxed);
     epoch_++;
   }
-  wake_.notify_all();
-  fn(0, ctx);
-  // The other shares: spin briefly (they usually end about when this one does), then sleep.
-  for (uint32_t spins = 0; pending_.load(std::memory_order_acquire) != 0; spins++) {
+  for (uint32_t i = 0; i < helpers; i++) wake_.notify_one();
+  Drain(fn, ctx, pieces);
+  {
+    // Close the Run: a pool thread that wakes from now on does not join it.
+    std::lock_guard<std::mutex> l(mu_);
+    fn_ = nullptr;
+    ctx_ = nullptr;
+  }
+  // Pool threads still inside are finishing their last piece: spin briefly, then sleep.
+  for (uint32_t spins = 0; inside_.load(std::memory_order_acquire) != 0; spins++) {
     if (spins < 2000) {
 #if defined(__x86_64__) || defined(__i386__)
       __builtin_ia32_pause();
@@ -48,32 +62,35 @@ bool CopyPool::Run(uint32_t n, Fn fn, void* ctx) {
       sched_yield();
     } else {
       std::unique_lock<std::mutex> l(mu_);
-      done_cv_.wait(l, [this] { return pending_.load(std::memory_order_acquire) == 0; });
+      left_cv_.wait(l, [this] { return inside_.load(std::memory_order_acquire) == 0; });
       break;
     }
   }
-  return true;
 }
 
-void CopyPool::Loop(uint32_t index) {
+void CopyPool::Loop() {
   uint64_t seen = 0;
   for (;;) {
     Fn fn;
     void* ctx;
+    uint32_t pieces;
     {
       std::unique_lock<std::mutex> l(mu_);
-      wake_.wait(l, [&] { return stop_ || epoch_ != seen; });
+      wake_.wait(l, [&] { return stop_ || (fn_ != nullptr && epoch_ != seen && seats_ > 0); });
       if (stop_) return;
       seen = epoch_;
-      if (index >= shares_) continue;  // not part of this Run
+      seats_--;
+      // Counted under the mutex, so the Run cannot close and return without waiting for us.
+      inside_.fetch_add(1, std::memory_order_relaxed);
       fn = fn_;
       ctx = ctx_;
+      pieces = pieces_;
     }
-    fn(index, ctx);
-    // Release: this share's copies (and loads) happen before Run sees pending reach 0.
-    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+    Drain(fn, ctx, pieces);
+    // Release: this thread's copies (and loads) happen before Run sees inside_ reach 0.
+    if (inside_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
       std::lock_guard<std::mutex> l(mu_);
-      done_cv_.notify_one();
+      left_cv_.notify_one();
     }
   }
 }

@@ -10,38 +10,46 @@
 
 namespace tw {
 
-// Runs fn(share, ctx) for share 0..n-1 at once: share 0 on the calling thread, the others on
-// pool threads; Run returns only after every share has returned (so nothing the shares touch
-// is used by a pool thread after Run: a batch leaves its grants only after that). One Run at a
-// time per pool (copyBatch is synchronous on its JS thread, and a pool belongs to one
-// environment). The dispatch (mutex) orders the caller's earlier loads and stores before each
-// share; each share's end is a release store that Run acquires.
+// Runs fn(piece, ctx) exactly once for every piece in [0, pieces). The calling thread starts on
+// the pieces at once; up to `threads - 1` pool threads are woken and join it when they get a
+// core. Every participant claims the next piece from one atomic counter, so the caller never
+// waits for a piece nobody has started: a pool thread that is slow to wake (a busy host) finds
+// the pieces taken and leaves, and the caller ends up copying them itself. Run returns only
+// after every piece has returned and no pool thread is inside this Run any more (nothing the
+// pieces touch is used by a pool thread after Run: a batch leaves its grants only after that).
+// One Run at a time per pool (copyBatch is synchronous on its JS thread, and a pool belongs to
+// one environment). The mutex orders the caller's earlier loads and stores before every piece
+// a pool thread runs; a pool thread's leaving is a release that Run acquires.
 class CopyPool {
  public:
-  using Fn = void (*)(uint32_t share, void* ctx);
+  using Fn = void (*)(uint32_t piece, void* ctx);
   // Threads beyond the caller, at most.
   static constexpr uint32_t kMaxThreads = 15;
   CopyPool() = default;
   ~CopyPool();
   CopyPool(const CopyPool&) = delete;
   CopyPool& operator=(const CopyPool&) = delete;
-  // n >= 1 shares; pool threads are started on first need (n - 1 of them, up to kMaxThreads).
-  // Returns false (nothing ran) when a thread could not be started; the caller then copies inline.
-  bool Run(uint32_t n, Fn fn, void* ctx);
-  uint32_t started() const { return static_cast<uint32_t>(threads_.size()); }
+  // Pool threads are started on first need (up to min(threads, pieces) - 1, at most
+  // kMaxThreads). When none can be started, the caller runs every piece.
+  void Run(uint32_t pieces, uint32_t threads, Fn fn, void* ctx);
 
  private:
-  void Loop(uint32_t index);
+  void Loop();
+  // Claim and run pieces until none is left.
+  void Drain(Fn fn, void* ctx, uint32_t pieces);
   std::mutex mu_;
   std::condition_variable wake_;
-  std::condition_variable done_cv_;
+  std::condition_variable left_cv_;
   std::vector<std::thread> threads_;
-  uint64_t epoch_ = 0;    // under mu_: bumped per Run
-  uint32_t shares_ = 0;   // under mu_: shares of the current Run
+  // Under mu_: the open Run (fn_ null when none), its number, how many pool threads may still join.
   Fn fn_ = nullptr;
   void* ctx_ = nullptr;
-  std::atomic<uint32_t> pending_{0};
+  uint32_t pieces_ = 0;
+  uint64_t epoch_ = 0;
+  uint32_t seats_ = 0;
   bool stop_ = false;
+  std::atomic<uint32_t> next_{0};    // the next unclaimed piece of the open Run
+  std::atomic<uint32_t> inside_{0};  // pool threads inside the open Run
 };
 
 }  // namespace tw

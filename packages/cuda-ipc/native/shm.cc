@@ -719,25 +719,26 @@ struct Group {
   const BatchRange& at(size_t k) const { return in->ranges[idx != nullptr ? idx[k] : k]; }
 };
 
-// Where share t of a group starts: range k, byte off of it.
+// Where piece t of a group starts: range k, byte off of it.
 struct Cut {
   size_t k = 0;
   uint64_t off = 0;
 };
 
-// A group copied by several threads: share t copies bytes [cuts[t], cuts[t + 1]) of the
-// group's ranges in order. With a seqlocked segment (gen != nullptr) every share re-checks
-// the generation after its copies (acquire fence, relaxed load) and clears `same` when it is
-// not `g1`, the value loaded (acquire) before any share started.
+// A group copied by several threads: piece t copies bytes [cuts[t], cuts[t + 1]) of the
+// group's ranges in order, on whichever thread claims it (CopyPool). With a seqlocked segment
+// (gen != nullptr) every piece re-checks the generation after its copies, in the thread that
+// made them (acquire fence, relaxed load), and clears `same` when it is not `g1`, the value
+// loaded (acquire) before any piece started.
 struct ParallelCopy {
   Group group;
-  Cut cuts[CopyPool::kMaxThreads + 2];
+  Cut cuts[kParallelMaxPieces + 1];
   const uint64_t* gen = nullptr;
   uint64_t g1 = 0;
   std::atomic<bool> same{true};
 };
 
-void CopyShare(uint32_t t, void* ctx) {
+void CopyPiece(uint32_t t, void* ctx) {
   ParallelCopy& pc = *static_cast<ParallelCopy*>(ctx);
   const Cut a = pc.cuts[t];
   const Cut b = pc.cuts[t + 1];
@@ -754,43 +755,43 @@ void CopyShare(uint32_t t, void* ctx) {
   }
 }
 
-// Shares for a group of `total` bytes (1: copy it on this thread).
-uint32_t SharesFor(const BatchInput& in, uint64_t total) {
+// Pieces for a group of `total` bytes (1: copy it on this thread).
+uint32_t PiecesFor(const BatchInput& in, uint64_t total) {
   if (in.threads <= 1 || in.pool == nullptr || total < kParallelMinBytes) return 1;
-  uint64_t by_size = total / kParallelShareBytes;
-  uint64_t n = in.threads < by_size ? in.threads : by_size;
-  if (n > CopyPool::kMaxThreads + 1) n = CopyPool::kMaxThreads + 1;
+  uint64_t n = total / kParallelPieceBytes;
+  if (n > kParallelMaxPieces) n = kParallelMaxPieces;
   return n < 2 ? 1 : static_cast<uint32_t>(n);
 }
 
-// Copy a group on `shares` threads (>= 2). Returns false when the pool could not run it (the
-// caller copies inline); with `gen`, *same says whether every share saw the generation g1.
-bool CopyGroupParallel(const Group& g, uint64_t total, uint32_t shares, const uint64_t* gen, uint64_t g1, bool* same) {
+// Copy a group in `pieces` pieces (>= 2) on the batch's threads; with `gen`, returns whether
+// every piece saw the generation g1 (true without one).
+bool CopyGroupParallel(const Group& g, uint64_t total, uint32_t pieces, const uint64_t* gen, uint64_t g1) {
   ParallelCopy pc{g, {}, gen, g1, {}};
   pc.same.store(true, std::memory_order_relaxed);
   // Cut points by bytes, in one pass over the group.
   pc.cuts[0] = Cut{0, 0};
   uint64_t acc = 0;
   size_t k = 0;
-  for (uint32_t t = 1; t < shares; t++) {
-    uint64_t target = total / shares * t;
+  for (uint32_t t = 1; t < pieces; t++) {
+    uint64_t target = total / pieces * t;
     while (k < g.n && acc + g.at(k).length <= target) acc += g.at(k++).length;
     pc.cuts[t] = Cut{k, target - acc};
   }
-  pc.cuts[shares] = Cut{g.n, 0};
-  if (!g.in->pool->Run(shares, CopyShare, &pc)) return false;
-  if (same != nullptr) *same = pc.same.load(std::memory_order_relaxed);
-  return true;
+  pc.cuts[pieces] = Cut{g.n, 0};
+  g.in->pool->Run(pieces, g.in->threads, CopyPiece, &pc);
+  return pc.same.load(std::memory_order_relaxed);
 }
 
-// Copy a group (no seqlock): split by bytes over the batch's threads when it is large.
+// Copy a group (no seqlock): in pieces over the batch's threads when it is large.
 void CopyGroup(const Group& g) {
-  uint32_t shares = 1;
   if (g.in->threads > 1) {
     uint64_t total = 0;
     for (size_t k = 0; k < g.n; k++) total += g.at(k).length;
-    shares = SharesFor(*g.in, total);
-    if (shares > 1 && CopyGroupParallel(g, total, shares, nullptr, 0, nullptr)) return;
+    uint32_t pieces = PiecesFor(*g.in, total);
+    if (pieces > 1) {
+      CopyGroupParallel(g, total, pieces, nullptr, 0);
+      return;
+    }
   }
   for (size_t k = 0; k < g.n; k++) CopyRange(*g.in, g.at(k));
 }
@@ -798,17 +799,17 @@ void CopyGroup(const Group& g) {
 // The seqlock reader protocol (invariant 11) over every range of one segment at once: acquire
 // load of the generation, plain copies of all the ranges, acquire fence, relaxed re-load; a
 // changed generation drops the copies and repeats them all, so the ranges are one snapshot.
-// Copied by several threads (a large group), the load comes first, before any thread starts,
-// and every thread re-checks after its own copies: the snapshot holds only if all saw g1.
+// Copied by several threads (a large group), the load comes first, before any piece starts,
+// and every piece re-checks after its own copies: the snapshot holds only if all saw g1.
 bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_t n, uint64_t* generation_out,
                     BatchFailure* f) {
   const uint64_t* gen = AtomicAt<uint64_t>(in.segments[s].base, off::generation);
   const Group group{&in, idx, n};
-  uint32_t shares = 1;
+  uint32_t pieces = 1;
   uint64_t total = 0;
   if (in.threads > 1) {
     for (size_t k = 0; k < n; k++) total += group.at(k).length;
-    shares = SharesFor(in, total);
+    pieces = PiecesFor(in, total);
   }
   const bool has_deadline = in.deadline_ms > 0;
   const uint64_t started = MonotonicNs();
@@ -841,9 +842,10 @@ bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_
       CpuRelax(stuck_polls);
       continue;
     }
-    bool same = true;
-    if (shares > 1 && CopyGroupParallel(group, total, shares, gen, g1, &same)) {
-      // Every share re-checked the generation itself (CopyShare); the shares have all ended.
+    bool same;
+    if (pieces > 1) {
+      // Every piece re-checked the generation itself (CopyPiece); the pieces have all ended.
+      same = CopyGroupParallel(group, total, pieces, gen, g1);
     } else {
       for (size_t k = 0; k < n; k++) CopyRange(in, group.at(k));
       // Acquire fence: the copies above complete before the re-check below.

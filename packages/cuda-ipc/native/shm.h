@@ -206,17 +206,19 @@ struct BatchInput {
   // Copies of one slot's ranges that overlapped a write and were retried, at most.
   uint32_t max_attempts = 0;
   // Threads that copy the batch's bytes (1 = the calling thread only). With more, and a pool,
-  // a group of at least kParallelMinBytes is split by bytes into up to `threads` shares of at
-  // least kParallelShareBytes each (ranges may be cut), copied at once; the seqlock protocol
-  // stays one generation check per slot per batch: one acquire load of the generation before
-  // every share starts, then every share re-checks it after its own copies (acquire fence,
-  // load), and the copy counts only when all of them saw it unchanged.
+  // a group of at least kParallelMinBytes is cut by bytes into pieces of at least
+  // kParallelPieceBytes (at most kParallelMaxPieces; ranges may be cut) that the calling thread
+  // and up to `threads - 1` pool threads claim one at a time; the seqlock protocol stays one
+  // generation check per slot per batch: one acquire load of the generation before any piece
+  // starts, then every piece re-checks it after its own copies (acquire fence, load), and the
+  // copy counts only when all of them saw it unchanged.
   uint32_t threads = 1;
   CopyPool* pool = nullptr;
 };
-// Smallest group of bytes copied by more than one thread, and smallest share per thread.
+// Smallest group of bytes copied by more than one thread, smallest piece, most pieces per group.
 constexpr uint64_t kParallelMinBytes = 1ull << 20;
-constexpr uint64_t kParallelShareBytes = 256ull << 10;
+constexpr uint64_t kParallelPieceBytes = 256ull << 10;
+constexpr uint32_t kParallelMaxPieces = 64;
 // Why a batch failed. `code` mirrors @tensorwire/core's error codes; `remote_code` is the
 // RemoteRejectedError remoteCode when code is kRemoteRejected. Indices are -1 when n/a.
 struct BatchFailure {

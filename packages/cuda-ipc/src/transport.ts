@@ -47,6 +47,7 @@
 import { randomBytes } from 'node:crypto';
 import { chmodSync, unlinkSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
+import { availableParallelism } from 'node:os';
 import {
   BackendUnavailableError,
   engineCheckedBlocks,
@@ -161,15 +162,18 @@ export interface CudaIpcTransportOptions {
    */
   readonly grantTable?: { readonly records?: number; readonly segments?: number; readonly rangeBytes?: number; readonly maxTables?: number };
   /**
-   * Threads that copy the bytes of a host batch (default 1: the calling thread only). With
-   * more, the bytes of a batch's group of ranges (those of one pool slot, or those of its other
-   * segments) are split over up to this many threads (a small persistent native pool; the
-   * caller is one of them) when the group holds at least 1 MiB, at least 256 KiB per thread;
-   * smaller groups are copied on the calling thread. Integer 1 to 16. Every guarantee of a
-   * batch holds whatever the count: all-or-nothing validation before any byte moves, each
-   * grant entered once and left only after every thread has ended (no byte after revoke), one
-   * seqlock generation check per pool slot per batch (loaded once before the threads start,
-   * re-checked by each of them after its copies), the deadline.
+   * Threads that copy the bytes of a host batch (default: half of `os.availableParallelism()`,
+   * 1 to 4, since the peer of a same-host transport runs on this host too; 1 is the calling
+   * thread only). With more, a batch's group of ranges (those of one pool
+   * slot, or those of its other segments) holding at least 1 MiB is cut by bytes into pieces of
+   * at least 256 KiB (64 at most) that the calling thread and up to `copyThreads - 1` threads
+   * of a small persistent native pool claim one at a time: the calling thread starts at once
+   * and never waits for a piece nobody has started, so a pool thread slow to get a core (a busy
+   * host) costs nothing but its wake-up; smaller groups are copied on the calling thread.
+   * Integer 1 to 16. Every guarantee of a batch holds whatever the count: all-or-nothing
+   * validation before any byte moves, each grant entered once and left only after every piece
+   * has ended (no byte after revoke), one seqlock generation check per pool slot per batch
+   * (loaded once before any piece starts, re-checked after each piece's copies), the deadline.
    */
   readonly copyThreads?: number;
   /**
@@ -462,7 +466,13 @@ const SPAN_STRIDE = 3;
 const SLOT_ATTEMPTS = 10_000;
 /** Bounds of {@link CudaIpcTransportOptions.copyThreads} (the addon's pool: the caller + 15). */
 const MAX_COPY_THREADS = 16;
-const DEFAULT_COPY_THREADS = 1;
+/**
+ * {@link CudaIpcTransportOptions.copyThreads} when not given: half the cores this process may
+ * use (the peer process of a same-host transport is on this host too), 1 to 4.
+ */
+function defaultCopyThreads(): number {
+  return Math.max(1, Math.min(4, Math.floor(availableParallelism() / 2)));
+}
 /** How often (ms) a connection confirms that the peer's pid is still the same process. */
 const PID_RECHECK_MS = 250;
 /** RemoteRejectedError codes about the request itself, never caused by a peer going away. */
@@ -1472,7 +1482,7 @@ export class CudaIpcTransport implements Transport {
     this.#tableGeometry = { records: gt.records ?? 4096, dir: gt.segments ?? 4096, arena: gt.rangeBytes ?? 4 * 2 ** 20 };
     checkGeometry(this.#tableGeometry, 'grantTable');
     this.#maxTables = gt.maxTables ?? 8;
-    this.copyThreads = options.copyThreads ?? DEFAULT_COPY_THREADS;
+    this.copyThreads = options.copyThreads ?? defaultCopyThreads();
     if (!Number.isSafeInteger(this.copyThreads) || this.copyThreads < 1 || this.copyThreads > MAX_COPY_THREADS) {
       throw new InvalidInputError(`copyThreads must be an integer from 1 to ${MAX_COPY_THREADS}`, { details: { field: 'copyThreads' } });
     }

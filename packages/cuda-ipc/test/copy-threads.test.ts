@@ -8,6 +8,7 @@
  */
 import { fork } from 'node:child_process';
 import { once } from 'node:events';
+import { availableParallelism } from 'node:os';
 import { afterAll, beforeAll, describe, expect, it } from 'vitest';
 import fc from 'fast-check';
 import {
@@ -69,7 +70,9 @@ describe('cuda-ipc copyThreads', () => {
   it('validates the option', () => {
     for (const bad of [0, 17, 1.5, Number.NaN, -1]) expect(() => new CudaIpcTransport({ copyThreads: bad })).toThrow(InvalidInputError);
     expect(new CudaIpcTransport({ copyThreads: 16 }).copyThreads).toBe(16);
-    expect(new CudaIpcTransport().copyThreads).toBe(1);
+    // The default: half the cores this process may use, 1 to 4.
+    const half = Math.max(1, Math.min(4, Math.floor(availableParallelism() / 2)));
+    expect(new CudaIpcTransport().copyThreads).toBe(half);
   });
 
   it('random batches of at least 1 MiB land exactly the bytes a single-threaded copy lands, and nothing else (fast-check)', async () => {
