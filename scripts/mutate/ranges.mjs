@@ -43,7 +43,7 @@ export function methods(file, names, cwd) {
 }
 
 /** The engine's connection table, deadline and abort handling, and the remote-descriptor checks. */
-export const ENGINE_METHODS = ['#remoteFor', '#deadlineSignal', '#transfer', '#post', '#execute', '#connection', '#open', '#adopt', '#inbound', '#disposeOtherIncarnations', '#takeEntries', '#invalidateEntry', '#dispose', 'invalidate', '#close'];
+export const ENGINE_METHODS = ['#remoteFor', '#deadlineSignal', '#transfer', '#runPrepared', '#post', '#execute', '#connection', '#open', '#adopt', '#inbound', '#disposeOtherIncarnations', '#takeEntries', '#invalidateEntry', '#dispose', 'invalidate', '#close'];
 
 export function engineRanges(which = ENGINE_METHODS, cwd) {
   const out = [];

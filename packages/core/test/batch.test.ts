@@ -298,6 +298,9 @@ describe('prepared transfers', () => {
     const err = await p.run().catch((e: unknown) => e);
     expect(err).toBeInstanceOf(InvalidInputError);
     expect((err as InvalidInputError).details['request']).toBe(1);
+    // The engine's own check, before the transport sees the batch.
+    expect((err as InvalidInputError).message).toBe(`requests[1].local (${ra2.id}) was revoked`);
+    expect((err as InvalidInputError).details['field']).toBe('local');
     await a.close();
     await b.close();
   });

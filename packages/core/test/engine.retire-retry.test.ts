@@ -105,4 +105,23 @@ describe('engine: a connection retired under a post', () => {
     expect(calls).toBe(3);
     await close();
   });
+
+  it('a prepared transfer whose connection keeps retiring under every post fails after a bounded number of tries', async () => {
+    let calls = 0;
+    let retiring = false;
+    const { a, b, requests, close } = await pair((conn) => {
+      calls++;
+      if (!retiring) return;
+      void conn.retire();
+      throw new SessionInvalidatedError('connection is retiring or closed; no new requests accepted');
+    });
+    const prepared = await a.prepare(b.endpoint(), requests, { op: 'read' });
+    await prepared.run({ timeoutMs: 10_000 });
+    retiring = true;
+    calls = 0;
+    await expect(prepared.run({ timeoutMs: 10_000 })).rejects.toMatchObject({ code: ErrorCode.SessionInvalidated });
+    expect(calls).toBe(3);
+    await prepared.close();
+    await close();
+  });
 });

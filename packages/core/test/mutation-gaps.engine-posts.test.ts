@@ -252,6 +252,16 @@ describe('several streams (#transfer, #post)', () => {
     expect(s.ta.connections[0]?.streamsUsed).toEqual([0, 1, 2, 0, 1]);
   });
 
+  it('prepared transfers start on successive streams (0, 1, 2, 3), and each keeps its stream on later posts', async () => {
+    await using s = await setup('rp-a', 'rp-b', { maxStreams: 4 });
+    const [p0, p1, p2, p3] = [await s.prepare(), await s.prepare(), await s.prepare(), await s.prepare()];
+    for (const p of [p0, p1, p2, p3]) await p.run();
+    await p0.run();
+    await p2.run();
+    expect(s.ta.connections).toHaveLength(1);
+    expect(s.ta.connections[0]?.streamsUsed).toEqual([0, 1, 2, 3, 0, 2]);
+  });
+
   it('when several streams fail, the error reported is the first that is not a timeout or an abort', async () => {
     await using s = await setup('sf-a', 'sf-b', { maxStreams: 2, engine: { chunkBytes: 32 } });
     // Stream 0 times out in the transport (the engine's signal has not fired), stream 1 is refused.
@@ -343,6 +353,21 @@ describe('a connection that closes between its handshake and its first post (#tr
   });
 });
 
+describe('a connection that closes between its handshake and the first post of a prepared transfer (#runPrepared)', () => {
+  it('is replaced before the post', async () => {
+    await using s = await setup('ph-a', 'ph-b');
+    const p = await s.prepare();
+    // The connection goes away just after the engine adopted it (before the post uses it).
+    s.ta.onCloseRegistered = (c) => {
+      if (s.ta.connections.length === 1) queueMicrotask(() => (c.isOpen = false));
+    };
+    await p.run();
+    expect(s.ta.connections).toHaveLength(2);
+    expect(s.ta.connections[0]?.streamsUsed).toEqual([]);
+    expect(s.ta.connections[1]?.streamsUsed).toEqual([0]);
+  });
+});
+
 describe('prepared transfers and brokenBy', () => {
   it('a connection the transport reports closed with an error invalidates a prepared transfer that used it', async () => {
     await using s = await setup('pb-a', 'pb-b');
@@ -352,6 +377,7 @@ describe('prepared transfers and brokenBy', () => {
     const e = await outcome(p.run());
     expect(e).toBeInstanceOf(ConnectionBrokenError);
     expect((e as ConnectionBrokenError).message).toBe('prepared transfer is invalidated: its connection broke (probe: peer went away)');
+    expect((e as ConnectionBrokenError).details['peer']).toBe(s.b.identity.nodeId);
     expect(s.ta.connections).toHaveLength(1);
     // The close is logged with the peer, the transport and the error.
     expect(s.logger.lines.filter((l) => l.message === 'connection closed' || l.message === '')).toEqual([{ level: 'info', message: 'connection closed', fields: { peer: s.b.identity.nodeId, transport: 'probe', error: 'probe: peer went away' } }]);
@@ -370,6 +396,7 @@ describe('prepared transfers and brokenBy', () => {
     const e = await outcome(p.run());
     expect(e).toBeInstanceOf(ConnectionBrokenError);
     expect((e as ConnectionBrokenError).message).toBe('prepared transfer is invalidated: probe: reset');
+    expect((e as ConnectionBrokenError).details['peer']).toBe(s.b.identity.nodeId);
     expect(s.ta.connections).toHaveLength(1);
   });
 
