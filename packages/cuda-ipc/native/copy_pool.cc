@@ -25,12 +25,16 @@ void CopyPool::Run(uint32_t pieces, uint32_t threads, Fn fn, void* ctx) {
   uint32_t helpers = threads < pieces ? threads : pieces;
   helpers = helpers > 0 ? helpers - 1 : 0;
   if (helpers > kMaxThreads) helpers = kMaxThreads;
-  try {
-    while (threads_.size() < helpers) threads_.emplace_back([this] { Loop(); });
-  } catch (...) {
-    // Out of threads: run with those there are (none: the caller copies every piece).
-    helpers = static_cast<uint32_t>(threads_.size());
+  if (threads_.size() < helpers && !spawn_failed_) {
+    try {
+      while (threads_.size() < helpers) threads_.emplace_back([this] { Loop(); });
+    } catch (...) {
+      // Out of threads: run with those there are from now on (none: the caller copies every
+      // piece), rather than trying again on every batch.
+      spawn_failed_ = true;
+    }
   }
+  if (helpers > threads_.size()) helpers = static_cast<uint32_t>(threads_.size());
   if (helpers == 0) {
     for (uint32_t p = 0; p < pieces; p++) fn(p, ctx);
     return;

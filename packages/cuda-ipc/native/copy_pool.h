@@ -30,7 +30,8 @@ class CopyPool {
   CopyPool(const CopyPool&) = delete;
   CopyPool& operator=(const CopyPool&) = delete;
   // Pool threads are started on first need (up to min(threads, pieces) - 1, at most
-  // kMaxThreads). When none can be started, the caller runs every piece.
+  // kMaxThreads). When one cannot be started, the pool keeps those it has and tries no more;
+  // with none, the caller runs every piece.
   void Run(uint32_t pieces, uint32_t threads, Fn fn, void* ctx);
 
  private:
@@ -48,6 +49,8 @@ class CopyPool {
   uint64_t epoch_ = 0;
   uint32_t seats_ = 0;
   bool stop_ = false;
+  // Only the thread that calls Run: a thread could not be started once, so no more are tried.
+  bool spawn_failed_ = false;
   std::atomic<uint32_t> next_{0};    // the next unclaimed piece of the open Run
   std::atomic<uint32_t> inside_{0};  // pool threads inside the open Run
 };
