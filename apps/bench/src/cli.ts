@@ -17,7 +17,7 @@ import { runScenario, runSettings } from './scenarios/run.js';
 import { kvScenario, kvSettings } from './scenarios/kv.js';
 import { poolDevice, poolScenario } from './scenarios/pool.js';
 import { locksBurst } from './scenarios/locks.js';
-import { COPY_THREADS_ENV, TRANSPORT_CHOICES, type TransportChoice } from './transports.js';
+import { COPY_THREADS_ENV, TRANSPORT_CHOICES, copyThreadsSetting, type TransportChoice } from './transports.js';
 import { startHolder } from './holder.js';
 import { runFetcher } from './fetcher.js';
 import { publishHolder, resolveHolder } from './discovery.js';
@@ -53,12 +53,10 @@ function context(opts: GlobalOptions, signal: AbortSignal): ScenarioContext {
   const sizes = opts.sizes?.split(',').map((s) => parseBytes(s, 'block size'));
   if (sizes) for (const s of sizes) if (s > 1024 ** 3) throw new BenchError(`block size ${s} is larger than 1 GiB`);
   const totalBytes = opts.total !== undefined ? parseBytes(opts.total, 'total') : undefined;
-  if (opts.copyThreads !== undefined) {
-    const n = Number(opts.copyThreads);
-    if (!Number.isSafeInteger(n) || n < 1 || n > 16) throw new BenchError(`--copy-threads ${JSON.stringify(opts.copyThreads)} must be an integer from 1 to 16`);
-    // Read where the same-host transport is built: in this process and in the workers it forks.
-    process.env[COPY_THREADS_ENV] = String(n);
-  }
+  // Read where the same-host transport is built: in this process and in the workers it forks.
+  if (opts.copyThreads !== undefined) process.env[COPY_THREADS_ENV] = opts.copyThreads;
+  // A bad value (of the flag or of the variable set by hand) fails here, not in a worker.
+  copyThreadsSetting();
   const showProgress = opts.progress !== false && !opts.json && process.stderr.isTTY === true;
   const bar = showProgress ? new cliProgress.SingleBar({ format: '{label} [{bar}] {value}/{total}', clearOnComplete: true, stream: process.stderr }, cliProgress.Presets.shades_classic) : undefined;
   let started = false;
@@ -174,7 +172,7 @@ function withGlobals(cmd: Command): Command {
     .option('--sizes <list>', 'comma-separated block sizes for the sweep, e.g. 4KiB,1MiB,64MiB')
     .option('--total <size>', 'bytes to move per measurement, e.g. 1GiB')
     .option('--compare', 'also run iperf3 and ucx_perftest (UCX over tcp and posix shm) where installed')
-    .option('--copy-threads <n>', "threads that copy a same-host batch of 1 MiB and more (cuda-ipc copyThreads, 1 to 16; default the library's: available cores, up to 4)")
+    .option('--copy-threads <n>', "threads that copy a same-host batch of 1 MiB and more (cuda-ipc copyThreads, 1 to 16; default the library's: half the available cores, 1 to 4)")
     .option('--no-progress', 'no progress bar');
 }
 

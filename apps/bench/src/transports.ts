@@ -16,21 +16,36 @@ export function isTransportChoice(text: unknown): text is TransportChoice {
   return typeof text === 'string' && (TRANSPORT_CHOICES as readonly string[]).includes(text);
 }
 
-/** Why the same-host transport cannot be built in this process, or undefined when it can. */
-/** The environment variable `--copy-threads` sets for this process and the workers it forks. */
+/** The environment variable `--copy-threads` sets for this process and the workers it forks (a user may set it too). */
 export const COPY_THREADS_ENV = 'TENSORWIRE_BENCH_COPY_THREADS';
+
+/**
+ * The same-host transport's `copyThreads` from `--copy-threads` (or {@link COPY_THREADS_ENV}),
+ * undefined for the library default. Throws BenchError naming the variable for a bad value.
+ */
+export function copyThreadsSetting(env: NodeJS.ProcessEnv = process.env): number | undefined {
+  const raw = env[COPY_THREADS_ENV];
+  if (raw === undefined) return undefined;
+  const n = Number(raw);
+  if (!/^\d+$/.test(raw.trim()) || !Number.isSafeInteger(n) || n < 1 || n > 16) {
+    throw new BenchError(`--copy-threads (${COPY_THREADS_ENV}) ${JSON.stringify(raw)} must be an integer from 1 to 16`);
+  }
+  return n;
+}
 
 /** The same-host transport as the bench builds it: `copyThreads` from `--copy-threads`, else the library default. */
 function sameHostTransport(): CudaIpcTransport {
-  const raw = process.env[COPY_THREADS_ENV];
-  return raw ? new CudaIpcTransport({ copyThreads: Number(raw) }) : new CudaIpcTransport();
+  const n = copyThreadsSetting();
+  return n === undefined ? new CudaIpcTransport() : new CudaIpcTransport({ copyThreads: n });
 }
 
 /** What the notes say about the same-host transport's copy threads. */
 function copyThreadsNote(t: CudaIpcTransport): string {
-  return `cuda-ipc copies host batches of 1 MiB and more on up to ${t.copyThreads} thread(s) (${process.env[COPY_THREADS_ENV] ? '--copy-threads' : "the library default: half this process's available cores, 1 to 4"})`;
+  const how = copyThreadsSetting() === undefined ? "the library default: half this process's available cores, 1 to 4" : `--copy-threads, ${COPY_THREADS_ENV}`;
+  return `cuda-ipc copies host batches of 1 MiB and more on up to ${t.copyThreads} thread(s) (${how})`;
 }
 
+/** Why the same-host transport cannot be built in this process, or undefined when it can. */
 export function sameHostUnavailable(): string | undefined {
   const caps = capabilities();
   return caps.sharedMemory.available ? undefined : (caps.sharedMemory.reason ?? 'shared memory unavailable');

@@ -86,6 +86,24 @@ describe('tensorwire-bench CLI', () => {
     expect(html).not.toMatch(/<script|https?:\/\/(?!tensorwire\.dev)/);
   });
 
+  it('--copy-threads reaches the workers that build the same-host transport, and the notes say so', async () => {
+    const r = await runCli(['kv', '--quick', '--copy-threads', '3', '--json', '--no-progress']);
+    expect(r.code, r.stderr).toBe(0);
+    const notes = (JSON.parse(r.stdout) as { results: { notes: string[] }[] }).results[0]?.notes ?? [];
+    const sameHost = notes.filter((n) => n.startsWith('cuda-ipc copies host batches'));
+    // The requester's note; none when this machine cannot build the same-host transport.
+    if (sameHost.length > 0) expect(sameHost).toEqual(['cuda-ipc copies host batches of 1 MiB and more on up to 3 thread(s) (--copy-threads, TENSORWIRE_BENCH_COPY_THREADS)']);
+    else expect(notes.join('\n')).toMatch(/same-host transport is unavailable/);
+  });
+
+  it('a bad TENSORWIRE_BENCH_COPY_THREADS set by hand: one-line error naming it, before any worker starts', async () => {
+    const r = await runCli(['kv', '--quick'], { env: { TENSORWIRE_BENCH_COPY_THREADS: 'lots' } });
+    expect(r.code).not.toBe(0);
+    expect(r.stderr).toMatch(/--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "lots" must be an integer from 1 to 16/);
+    expect(r.stderr.trim().split('\n')).toHaveLength(1);
+    expect(await noOrphans(r.marker)).toEqual([]);
+  });
+
   for (const [label, args, pattern] of [
     ['an unknown flag', ['tcp', '--frobnicate'], /unknown option/],
     ['an impossible size', ['tcp', '--sizes', '4XB'], /not a size/],
@@ -96,6 +114,8 @@ describe('tensorwire-bench CLI', () => {
     ['a kv batch that is not a number', ['kv', '--batches', '64,lots'], /--batches "lots" must be a positive whole number/],
     ['a kv warm-up that is not a number', ['kv', '--warmup-ms', 'soon'], /--warmup-ms "soon" must be 0 or a positive whole number/],
     ['a pool device that is neither cpu nor cuda:N', ['pool', '--device', 'gpu0'], /--device "gpu0" must be cpu or cuda:N/],
+    ['a copy thread count of 0', ['kv', '--copy-threads', '0'], /--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "0" must be an integer from 1 to 16/],
+    ['a copy thread count that is not a number', ['run', '--copy-threads', '2x'], /--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "2x" must be an integer from 1 to 16/],
   ] as const) {
     it(`${label}: one-line error, non-zero exit, no stack trace, no orphans`, async () => {
       const r = await runCli([...args]);

@@ -1465,6 +1465,8 @@ export class TransferEngine {
     const signal = dl.signal;
     const deadline = dl.deadline;
     try {
+      // A signal that fired already: nothing is posted (as for a read, whose connection lookup refuses it).
+      if (signal.aborted) throw errorFromSignal(signal, `${plan.op} from ${plan.ep.identity.nodeId}`);
       for (let attempt = 0; ; attempt++) {
         const prev = state.pc;
         let pc = prev && this.#table.get(prev.key) === prev && prev.conn?.isOpen === true ? prev : await this.#connection(plan.ep, plan.transport, signal);

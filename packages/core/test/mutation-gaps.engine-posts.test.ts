@@ -50,6 +50,7 @@ class ProbeConnection implements TransportConnection {
   retired = false;
   closedWith: TensorwireError | undefined;
   readonly streamsUsed: number[] = [];
+  readonly batches: TransferBatch[] = [];
   readonly #closeListeners: ((e: TensorwireError | undefined) => void)[] = [];
   readonly #retireListeners: (() => void)[] = [];
   readonly #hanging = new Set<(e: Error) => void>();
@@ -61,8 +62,9 @@ class ProbeConnection implements TransportConnection {
   ) {
     this.transport = owner.name;
   }
-  async execute(stream: number, _batch: TransferBatch, options: ExecuteOptions): Promise<void> {
+  async execute(stream: number, batch: TransferBatch, options: ExecuteOptions): Promise<void> {
     this.streamsUsed.push(stream);
+    this.batches.push(batch);
     if (!this.isOpen) throw new ConnectionBrokenError('probe connection is closed');
     if (options.signal.aborted) throw options.signal.reason;
     const r = this.owner.behave?.({ conn: this, stream, options });
@@ -368,6 +370,35 @@ describe('a connection that closes between its handshake and the first post of a
   });
 });
 
+describe('prepared transfers: the plan made once, a signal that already fired (#runPrepared)', () => {
+  it('every post hands the transport the same batch (the chunk plan is computed once)', async () => {
+    await using s = await setup('pb1-a', 'pb1-b');
+    const p = await s.prepare();
+    await p.run();
+    await p.run();
+    await p.run();
+    const batches = (s.ta.connections[0] as ProbeConnection).batches;
+    expect(batches).toHaveLength(3);
+    expect(batches[1]).toBe(batches[0]);
+    expect(batches[2]).toBe(batches[0]);
+  });
+
+  it('a post whose signal already fired is refused before the transport sees it, and the next post runs', async () => {
+    await using s = await setup('pa-a', 'pa-b');
+    const p = await s.prepare();
+    await p.run();
+    const e = await outcome(p.run({ signal: AbortSignal.abort() }));
+    expect(e).toBeInstanceOf(AbortedError);
+    expect(s.ta.connections[0]?.streamsUsed).toEqual([0]);
+    // The same refusal as a read's with such a signal.
+    const viaRead = await outcome(s.read({ signal: AbortSignal.abort() }));
+    expect((e as AbortedError).message).toBe((viaRead as AbortedError).message);
+    expect(s.ta.connections[0]?.streamsUsed).toEqual([0]);
+    await p.run();
+    expect(s.ta.connections[0]?.streamsUsed).toEqual([0, 0]);
+  });
+});
+
 describe('prepared transfers and brokenBy', () => {
   it('a connection the transport reports closed with an error invalidates a prepared transfer that used it', async () => {
     await using s = await setup('pb-a', 'pb-b');
@@ -398,6 +429,21 @@ describe('prepared transfers and brokenBy', () => {
     expect((e as ConnectionBrokenError).message).toBe('prepared transfer is invalidated: probe: reset');
     expect((e as ConnectionBrokenError).details['peer']).toBe(s.b.identity.nodeId);
     expect(s.ta.connections).toHaveLength(1);
+  });
+
+  it('a post that fails on its own while the transport reports the connection broken: the next post names the break', async () => {
+    await using s = await setup('pt-a', 'pt-b');
+    const p = await s.prepare();
+    await p.run();
+    s.ta.behave = ({ conn }) => {
+      s.ta.behave = undefined;
+      conn.lost(new ConnectionBrokenError('probe: peer went away'));
+      throw new TimedOutError('probe: no answer');
+    };
+    expect(await outcome(p.run())).toBeInstanceOf(TimedOutError);
+    const e = await outcome(p.run());
+    expect(e).toBeInstanceOf(ConnectionBrokenError);
+    expect((e as ConnectionBrokenError).message).toBe('prepared transfer is invalidated: its connection broke (probe: peer went away)');
   });
 
   it('invalidate() of the peer invalidates a prepared transfer', async () => {
