@@ -3,11 +3,12 @@
  * transport runs on the same host), 1 to 4. `os.availableParallelism()` is stubbed so that the
  * rule is checked for hosts other than the one running the test.
  */
+import type * as OsModule from 'node:os';
 import { afterEach, describe, expect, it, vi } from 'vitest';
 
 const cores = vi.hoisted(() => ({ n: 2 }));
 vi.mock('node:os', async (importOriginal) => {
-  const os = await importOriginal<typeof import('node:os')>();
+  const os = await importOriginal<typeof OsModule>();
   return { ...os, default: { ...os, availableParallelism: () => cores.n }, availableParallelism: () => cores.n };
 });
 
