@@ -557,9 +557,10 @@ class Addon : public Napi::Addon<Addon> {
   //   generations   BigUint64Array, one per segment: the generation each seqlocked segment was
   //                 copied at (0 for others)
   //   threads       optional, threads that copy (default 1: this thread only). A group of at
-  //                 least 1 MiB (a slot's ranges, or the ranges of other segments) is split by
-  //                 bytes over up to `threads` threads (>= 256 KiB each) of a persistent pool;
-  //                 every thread has ended before the batch leaves its grants.
+  //                 least 1 MiB (a slot's ranges, or the ranges of other segments) is cut by
+  //                 bytes into pieces (>= 256 KiB, at most 64) that this thread and up to
+  //                 `threads - 1` threads of a persistent pool claim one at a time; every piece
+  //                 has ended before the batch leaves its grants.
   // Nothing from JS is trusted: every table entry and range (and the span it uses) is validated
   // against the real buffer and mapping lengths before any grant is entered or any byte moves.
   // Throws an error with `code` (TW_INVALID_INPUT, TW_REMOTE_REJECTED with `remoteCode`,

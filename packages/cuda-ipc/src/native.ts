@@ -139,9 +139,10 @@ export interface NativeAddon {
    * `deadlineMs`), writing its generation to `generations`. Errors carry `details.range`,
    * `details.grant` or `details.segment` (indices) where they are about one, and
    * `details.remoteCode` for RemoteRejectedError. `threads` (default 1) copies a group of at
-   * least 1 MiB (a slot's ranges, or other segments' ranges) on up to that many threads (a
-   * persistent pool; >= 256 KiB each), the seqlock still checked once per slot per batch by
-   * every thread; all have ended before the call returns.
+   * least 1 MiB (a slot's ranges, or other segments' ranges) in pieces of >= 256 KiB that up
+   * to that many threads claim (the caller and a persistent pool), the seqlock still loaded
+   * once per slot per batch and re-checked after every piece; all have ended before the call
+   * returns.
    */
   copyBatch(
     op: 0 | 1,
