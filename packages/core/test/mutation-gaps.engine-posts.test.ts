@@ -233,6 +233,9 @@ async function setup(me: string, peer: string, o: SetupOptions = {}) {
   };
 }
 
+/** What setup() gives a test. */
+type Setup = Awaited<ReturnType<typeof setup>>;
+
 type Metrics = NonNullable<TransferEngine['metrics']>;
 async function events(e: TransferEngine): Promise<Record<string, number>> {
   const out: Record<string, number> = {};
@@ -341,29 +344,29 @@ describe('retire during a backed-off post (#execute)', () => {
   });
 });
 
-describe('a connection that closes between its handshake and its first post (#transfer)', () => {
-  it('is replaced before the post', async () => {
-    await using s = await setup('hc-a', 'hc-b');
-    // The connection goes away just after the engine adopted it (before #transfer uses it).
-    s.ta.onCloseRegistered = (c) => {
-      if (s.ta.connections.length === 1) queueMicrotask(() => (c.isOpen = false));
-    };
-    await s.read();
-    expect(s.ta.connections).toHaveLength(2);
-    expect(s.ta.connections[0]?.streamsUsed).toEqual([]);
-    expect(s.ta.connections[1]?.streamsUsed).toEqual([0]);
-  });
-});
-
-describe('a connection that closes between its handshake and the first post of a prepared transfer (#runPrepared)', () => {
-  it('is replaced before the post', async () => {
-    await using s = await setup('ph-a', 'ph-b');
-    const p = await s.prepare();
+describe('a connection that closes between its handshake and its first post (#transfer, #runPrepared)', () => {
+  it.each([
+    [
+      'a read',
+      'hc',
+      async (s: Setup): Promise<void> => {
+        await s.read();
+      },
+    ],
+    [
+      'a prepared transfer',
+      'ph',
+      async (s: Setup): Promise<void> => {
+        await (await s.prepare()).run();
+      },
+    ],
+  ] as const)('%s: is replaced before the post', async (_label, id, post) => {
+    await using s = await setup(`${id}-a`, `${id}-b`);
     // The connection goes away just after the engine adopted it (before the post uses it).
     s.ta.onCloseRegistered = (c) => {
       if (s.ta.connections.length === 1) queueMicrotask(() => (c.isOpen = false));
     };
-    await p.run();
+    await post(s);
     expect(s.ta.connections).toHaveLength(2);
     expect(s.ta.connections[0]?.streamsUsed).toEqual([]);
     expect(s.ta.connections[1]?.streamsUsed).toEqual([0]);
