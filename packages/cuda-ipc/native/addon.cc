@@ -225,6 +225,84 @@ struct BatchPlan {
   std::vector<double> spans;
   Napi::ObjectReference generations;  // BigUint64Array
 };
+
+// One copy's tables with every pointer and length read (on the JavaScript thread) and its
+// ranges decoded, checked and merged: what RunBatch needs, nothing JavaScript can change.
+struct RunState {
+  BatchInput in;
+  std::vector<BatchLocal> locals;
+  std::vector<BatchSegment> segments;
+  std::vector<BatchGrant> grants;
+  std::vector<BatchRange> ranges;
+  std::vector<uint32_t> order;
+};
+
+// copyPlannedAsync's work: RunBatch on a thread of libuv's pool over a RunState prepared on the
+// JavaScript thread. It holds references to the plan (whose references keep every buffer and
+// mapping the copy touches alive: a mapping is unmapped only by its ArrayBuffer's finalizer)
+// and to the caller's generations array, written when the copy has ended. Settles its promise
+// on the JavaScript thread; the environment's teardown waits for queued work to end.
+class CopyWorker : public Napi::AsyncWorker {
+ public:
+  CopyWorker(Napi::Env env, Napi::Object plan, Napi::Object generations)
+      : Napi::AsyncWorker(env, "tensorwire.copy"), deferred_(Napi::Promise::Deferred::New(env)), plan_(Napi::Persistent(plan)),
+        generations_(Napi::Persistent(generations)) {}
+  Napi::Promise Promise() { return deferred_.Promise(); }
+  RunState& state() { return state_; }
+  std::vector<uint64_t>& gens() { return gens_; }
+  void Execute() override { ok_ = RunBatch(state_.in, &state_.order, gens_.data(), &failure_); }
+  void OnOK() override;
+  void OnError(const Napi::Error& e) override;
+
+ private:
+  Napi::Promise::Deferred deferred_;
+  Napi::ObjectReference plan_;
+  Napi::ObjectReference generations_;
+  RunState state_;
+  std::vector<uint64_t> gens_;
+  BatchFailure failure_;
+  bool ok_ = false;
+};
+
+// The error a failed batch throws: message, `code`, and where it is about one `remoteCode`,
+// `range`, `grant`, `segment`.
+Napi::Error BatchError(Napi::Env env, const BatchFailure& f) {
+  Napi::Error e = Napi::Error::New(env, f.message);
+  e.Set("code", Napi::String::New(env, f.code));
+  if (f.remote_code[0] != '\0') e.Set("remoteCode", Napi::String::New(env, f.remote_code));
+  if (f.range >= 0) e.Set("range", Napi::Number::New(env, static_cast<double>(f.range)));
+  if (f.grant >= 0) e.Set("grant", Napi::Number::New(env, static_cast<double>(f.grant)));
+  if (f.segment >= 0) e.Set("segment", Napi::Number::New(env, static_cast<double>(f.segment)));
+  return e;
+}
+
+void CopyWorker::OnOK() {
+  Napi::Env env = Env();
+  try {
+    // The generations each seqlocked segment was copied at, into the caller's array (its length
+    // was checked when the work was queued; a typed array's length is fixed, and a detached one
+    // reads as 0 elements).
+    Napi::TypedArray out = generations_.Value().As<Napi::TypedArray>();
+    if (out.ElementLength() >= gens_.size() && !gens_.empty()) {
+      uint64_t* g = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(out.ArrayBuffer().Data()) + out.ByteOffset());
+      std::memcpy(g, gens_.data(), gens_.size() * sizeof(uint64_t));
+    }
+    if (ok_) deferred_.Resolve(env.Undefined());
+    else deferred_.Reject(BatchError(env, failure_).Value());
+  } catch (const Napi::Error&) {
+    // The environment is being torn down (a worker thread terminated while the copy ran, which
+    // teardown waits for): no JavaScript can run, and nobody is left to tell. An error escaping
+    // here would end the process.
+  }
+}
+
+void CopyWorker::OnError(const Napi::Error& e) {
+  try {
+    deferred_.Reject(e.Value());
+  } catch (const Napi::Error&) {
+    // Torn down, as in OnOK.
+  }
+}
 const napi_type_tag kBatchPlanTag = {0x74776261746368ULL, 0x706c616e76310001ULL};
 
 class Addon : public Napi::Addon<Addon> {
@@ -249,6 +327,7 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("copyBatch", &Addon::CopyBatchJs),
         InstanceMethod("planBatch", &Addon::PlanBatchJs),
         InstanceMethod("copyPlanned", &Addon::CopyPlannedJs),
+        InstanceMethod("copyPlannedAsync", &Addon::CopyPlannedAsyncJs),
         InstanceMethod("setState", &Addon::SetStateJs),
         InstanceMethod("loadState", &Addon::LoadStateJs),
         InstanceMethod("importerAdd", &Addon::ImporterAddJs),
@@ -704,10 +783,20 @@ class Addon : public Napi::Addon<Addon> {
     return plan;
   }
 
-  // A plan run over `ranges`: every buffer's pointer and length read now (no JS runs from here
-  // on; a buffer detached since it was planned reads as 0 bytes), then RunTables.
+  // A plan run over `ranges` on this thread (PreparePlan, then RunBatch).
   void RunPlan(Napi::Env env, BatchPlan& plan, const Napi::Float64Array& ranges, const CallArgs& call, const char* fn) {
-    BatchInput in;
+    uint64_t* gens = PreparePlan(env, plan, ranges, call, fn, scratch_);
+    BatchFailure f;
+    if (!RunBatch(scratch_.in, &scratch_.order, gens, &f)) ThrowBatch(env, f);
+  }
+
+  // A plan made ready to run over `ranges`, into `st`: every buffer's pointer and length read
+  // now (no JS runs from here on; a buffer detached since it was planned reads as 0 bytes),
+  // the tables checked, then the ranges decoded, checked and merged. Returns the plan's
+  // generations array (one value per segment, checked). Throws what the batch would.
+  uint64_t* PreparePlan(Napi::Env env, BatchPlan& plan, const Napi::Float64Array& ranges, const CallArgs& call, const char* fn, RunState& st) {
+    BatchInput& in = st.in;
+    in = BatchInput{};
     in.write = plan.write;
     in.deadline_ms = std::isfinite(call.deadline) && call.deadline > 0 ? call.deadline : 0;
     in.max_attempts = call.attempts >= 1 && call.attempts <= 1e9 ? static_cast<uint32_t>(call.attempts) : kDefaultBatchAttempts;
@@ -716,46 +805,48 @@ class Addon : public Napi::Addon<Addon> {
       if (!copy_pool_) copy_pool_ = std::make_unique<CopyPool>();
       in.pool = copy_pool_.get();
     }
-    locals_.resize(plan.locals.size());
+    st.locals.resize(plan.locals.size());
     for (size_t i = 0; i < plan.locals.size(); i++) {
       Napi::Uint8Array u8 = plan.locals[i].Value().As<Napi::Uint8Array>();
-      locals_[i] = BatchLocal{u8.Data(), u8.ByteLength()};
+      st.locals[i] = BatchLocal{u8.Data(), u8.ByteLength()};
     }
-    segments_.resize(plan.segments.size());
+    st.segments.resize(plan.segments.size());
     for (size_t i = 0; i < plan.segments.size(); i++) {
       Napi::ArrayBuffer ab = plan.segments[i].Value().As<Napi::ArrayBuffer>();
-      segments_[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.seqlocked[i]};
+      st.segments[i] = BatchSegment{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.seqlocked[i]};
     }
-    grants_.resize(plan.grants.size());
+    st.grants.resize(plan.grants.size());
     for (size_t i = 0; i < plan.grants.size(); i++) {
       Napi::ArrayBuffer ab = plan.grants[i].Value().As<Napi::ArrayBuffer>();
-      grants_[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.tokens.data() + i * kTokenBytes, plan.grant_info[i].record, plan.grant_info[i].generation};
+      st.grants[i] = BatchGrant{static_cast<uint8_t*>(ab.Data()), ab.ByteLength(), plan.tokens.data() + i * kTokenBytes, plan.grant_info[i].record, plan.grant_info[i].generation};
     }
     in.spans = plan.spans.data();
     in.n_spans = plan.spans.size() / kSpanFields;
-    in.locals = locals_.data();
-    in.n_locals = locals_.size();
+    in.locals = st.locals.data();
+    in.n_locals = st.locals.size();
     in.remotes = plan.remotes.data();
     in.n_remotes = plan.remotes.size();
-    in.segments = segments_.data();
-    in.n_segments = segments_.size();
-    in.grants = grants_.data();
-    in.n_grants = grants_.size();
+    in.segments = st.segments.data();
+    in.n_segments = st.segments.size();
+    in.grants = st.grants.data();
+    in.n_grants = st.grants.size();
     Napi::TypedArray gens_js = plan.generations.Value().As<Napi::TypedArray>();
-    if (gens_js.ElementLength() < segments_.size()) ThrowInvalid(env, std::string(fn) + ": generations must hold one value per segment");
+    if (gens_js.ElementLength() < st.segments.size()) ThrowInvalid(env, std::string(fn) + ": generations must hold one value per segment");
     // BigUint64Array: 8-byte elements, 8-byte aligned by construction.
     uint64_t* gens = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(gens_js.ArrayBuffer().Data()) + gens_js.ByteOffset());
-    RunTables(env, in, ranges, call.count, call.stride, gens, fn);
+    DecodeRanges(env, st, ranges, call.count, call.stride, fn);
+    return gens;
   }
 
-  // The tables of `in` checked, then the ranges decoded, checked and merged, then the batch
-  // run (for RunPlan). Lengths of `ranges` are read only here, after every
+  // The tables of `st.in` checked, then the ranges decoded, checked and merged into
+  // `st.ranges` (for PreparePlan). Lengths of `ranges` are read only here, after every
   // element read of the caller (an element read may run a getter).
-  void RunTables(Napi::Env env, BatchInput& in, const Napi::Float64Array& ranges, size_t count, size_t stride, uint64_t* gens, const char* fn) {
+  void DecodeRanges(Napi::Env env, RunState& st, const Napi::Float64Array& ranges, size_t count, size_t stride, const char* fn) {
+    BatchInput& in = st.in;
     BatchFailure f;
     if (!CheckBatchTables(in, &f)) ThrowBatch(env, f);
     if (count > ranges.ElementLength() / stride) ThrowInvalid(env, std::string(fn) + ": ranges holds fewer than stride * count numbers");
-    ranges_.resize(count);
+    st.ranges.resize(count);
     const double* rd = ranges.Data();
     // Every range is decoded and checked on its own (its granted range, the mapping and the
     // local buffer); a range that continues the previous one in both memories (same local,
@@ -764,10 +855,10 @@ class Addon : public Napi::Addon<Addon> {
     // The merged copy moves exactly the bytes of the checked ranges, nothing else.
     size_t merged = 0;
     for (size_t i = 0; i < count; i++) {
-      BatchRange& r = ranges_[merged];
+      BatchRange& r = st.ranges[merged];
       if (!DecodeBatchRange(rd, stride, i, in, &r, &f)) ThrowBatch(env, f);
       if (merged > 0) {
-        BatchRange& prev = ranges_[merged - 1];
+        BatchRange& prev = st.ranges[merged - 1];
         if (prev.local == r.local && prev.segment == r.segment && prev.local_offset + prev.length == r.local_offset &&
             prev.remote_at + prev.length == r.remote_at) {
           prev.length += r.length;
@@ -776,10 +867,8 @@ class Addon : public Napi::Addon<Addon> {
       }
       merged++;
     }
-    in.ranges = ranges_.data();
+    in.ranges = st.ranges.data();
     in.count = merged;
-    bool ok = RunBatch(in, &order_, gens, &f);
-    if (!ok) ThrowBatch(env, f);
   }
 
   // planBatch(op, locals, remotes, spans, segments, segmentFlags, grants, grantInfo, tokens,
@@ -807,15 +896,36 @@ class Addon : public Napi::Addon<Addon> {
     return env.Undefined();
   }
 
-  [[noreturn]] static void ThrowBatch(Napi::Env env, const BatchFailure& f) {
-    Napi::Error e = Napi::Error::New(env, f.message);
-    e.Set("code", Napi::String::New(env, f.code));
-    if (f.remote_code[0] != '\0') e.Set("remoteCode", Napi::String::New(env, f.remote_code));
-    if (f.range >= 0) e.Set("range", Napi::Number::New(env, static_cast<double>(f.range)));
-    if (f.grant >= 0) e.Set("grant", Napi::Number::New(env, static_cast<double>(f.grant)));
-    if (f.segment >= 0) e.Set("segment", Napi::Number::New(env, static_cast<double>(f.segment)));
-    throw e;
+  // copyPlannedAsync(plan, ranges, count, stride, deadlineMs, maxAttempts, threads, generations):
+  //           copyPlanned with the copy off the JavaScript thread. Everything copyPlanned checks
+  //           is checked here, before this returns (a bad range or table throws, nothing is
+  //           queued); the bytes then move on a thread of libuv's pool (RunBatch: grants entered
+  //           and left, seqlock checks, the deadline, as copyPlanned). Returns a promise that
+  //           settles on this thread when the copy has ended: undefined, or the error copyPlanned
+  //           would have thrown. `generations` (BigUint64Array, one value per segment of the
+  //           plan) receives the generation each seqlocked segment was copied at, before the
+  //           promise settles (the plan's own array is left alone: posts of one plan may overlap).
+  //           The pool of copy threads serves one copy at a time: a copy that finds it busy
+  //           copies on its own thread.
+  Napi::Value CopyPlannedAsyncJs(const Napi::CallbackInfo& info) {
+    Napi::Env env = info.Env();
+    if (info.Length() < 1 || !info[0].IsExternal() || !info[0].As<Napi::External<BatchPlan>>().CheckTypeTag(&kBatchPlanTag)) {
+      ThrowInvalid(env, "copyPlannedAsync: argument 0 must be a plan of planBatch");
+    }
+    BatchPlan& plan = *info[0].As<Napi::External<BatchPlan>>().Data();
+    Napi::Float64Array ranges = TypedArg(info, "copyPlannedAsync", 1, napi_float64_array, "Float64Array").As<Napi::Float64Array>();
+    const CallArgs call = ParseCall(info, "copyPlannedAsync", {2, 3, 4, 5, 6});
+    Napi::TypedArray out = TypedArg(info, "copyPlannedAsync", 7, napi_biguint64_array, "BigUint64Array");
+    if (out.ElementLength() < plan.segments.size()) ThrowInvalid(env, "copyPlannedAsync: generations must hold one value per segment");
+    std::unique_ptr<CopyWorker> w(new CopyWorker(env, info[0].As<Napi::Object>(), out));
+    PreparePlan(env, plan, ranges, call, "copyPlannedAsync", w->state());
+    w->gens().assign(plan.segments.size(), 0);
+    Napi::Promise p = w->Promise();
+    w.release()->Queue();
+    return p;
   }
+
+  [[noreturn]] static void ThrowBatch(Napi::Env env, const BatchFailure& f) { throw BatchError(env, f); }
 
   Napi::Value SetStateJs(const Napi::CallbackInfo& info) {
     Bytes seg = SegmentArg(info, 0);
@@ -1129,13 +1239,9 @@ class Addon : public Napi::Addon<Addon> {
   std::shared_ptr<CudaDriver> cuda_;
   // Segments this environment created and has not unlinked: name -> its memfd descriptor.
   std::map<std::string, int> created_;
-  // copyBatch scratch, kept between calls so a batch allocates nothing once warm.
-  std::vector<BatchLocal> locals_;
-  std::vector<BatchSegment> segments_;
-  std::vector<BatchGrant> grants_;
-  std::vector<BatchRemote> remotes_;
-  std::vector<BatchRange> ranges_;
-  std::vector<uint32_t> order_;
+  // Scratch of the copies run on this thread, kept between calls so a batch allocates nothing
+  // once warm (a copy off this thread has its own).
+  RunState scratch_;
   // Copy threads for copyBatch's `threads` (started on first use, joined on teardown).
   std::unique_ptr<CopyPool> copy_pool_;
 };

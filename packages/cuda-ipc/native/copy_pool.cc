@@ -22,6 +22,13 @@ void CopyPool::Drain(Fn fn, void* ctx, uint32_t pieces) {
 }
 
 void CopyPool::Run(uint32_t pieces, uint32_t threads, Fn fn, void* ctx) {
+  // One Run at a time: a caller that finds the pool serving another copy (one off the
+  // JavaScript thread, or one on it) copies its pieces itself.
+  std::unique_lock<std::mutex> busy(run_mu_, std::try_to_lock);
+  if (!busy.owns_lock()) {
+    for (uint32_t p = 0; p < pieces; p++) fn(p, ctx);
+    return;
+  }
   uint32_t helpers = threads < pieces ? threads : pieces;
   helpers = helpers > 0 ? helpers - 1 : 0;
   if (helpers > kMaxThreads) helpers = kMaxThreads;

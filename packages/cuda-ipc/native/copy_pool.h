@@ -17,8 +17,8 @@ namespace tw {
 // the pieces taken and leaves, and the caller ends up copying them itself. Run returns only
 // after every piece has returned and no pool thread is inside this Run any more (nothing the
 // pieces touch is used by a pool thread after Run: a batch leaves its grants only after that).
-// One Run at a time per pool (copyBatch is synchronous on its JS thread, and a pool belongs to
-// one environment). The mutex orders the caller's earlier loads and stores before every piece
+// One Run at a time per pool: a Run that finds another one open (a copy on the JS thread and one
+// off it, copyPlannedAsync) runs every piece on its calling thread instead. The mutex orders the caller's earlier loads and stores before every piece
 // a pool thread runs; a pool thread's leaving is a release that Run acquires.
 class CopyPool {
  public:
@@ -39,6 +39,8 @@ class CopyPool {
   // Claim and run pieces until none is left.
   void Drain(Fn fn, void* ctx, uint32_t pieces);
   std::mutex mu_;
+  // Held by the open Run (try-locked: a second caller copies alone rather than wait).
+  std::mutex run_mu_;
   std::condition_variable wake_;
   std::condition_variable left_cv_;
   std::vector<std::thread> threads_;
@@ -49,7 +51,7 @@ class CopyPool {
   uint64_t epoch_ = 0;
   uint32_t seats_ = 0;
   bool stop_ = false;
-  // Only the thread that calls Run: a thread could not be started once, so no more are tried.
+  // Under run_mu_: a thread could not be started once, so no more are tried.
   bool spawn_failed_ = false;
   std::atomic<uint32_t> next_{0};    // the next unclaimed piece of the open Run
   std::atomic<uint32_t> inside_{0};  // pool threads inside the open Run

@@ -184,6 +184,24 @@ export interface NativeAddon {
    * pointer and length read again, everything validated as copyBatch does.
    */
   copyPlanned(plan: BatchPlanHandle, ranges: Float64Array, count: number, stride: number, deadlineMs: number, maxAttempts: number, threads?: number): void;
+  /**
+   * {@link NativeAddon.copyPlanned} with the bytes moved off the JavaScript thread (a thread of
+   * libuv's pool). Everything is checked before it returns (a bad range or table throws and
+   * nothing is queued); the promise settles when the copy has ended, with the error copyPlanned
+   * would have thrown. `generations` (one value per segment of the plan) receives the
+   * generation each seqlocked segment was copied at, before the promise settles. The plan
+   * and the buffers it references stay alive until then.
+   */
+  copyPlannedAsync(
+    plan: BatchPlanHandle,
+    ranges: Float64Array,
+    count: number,
+    stride: number,
+    deadlineMs: number,
+    maxAttempts: number,
+    threads: number,
+    generations: BigUint64Array,
+  ): Promise<void>;
   setState(segment: ArrayBuffer, state: number): void;
   loadState(segment: ArrayBuffer): number;
   importerAdd(segment: ArrayBuffer): boolean;
@@ -341,6 +359,30 @@ function copyPlanned(plan: BatchPlanHandle, ranges: Float64Array, count: number,
   }
 }
 
+function copyPlannedAsync(
+  plan: BatchPlanHandle,
+  ranges: Float64Array,
+  count: number,
+  stride: number,
+  deadlineMs: number,
+  maxAttempts: number,
+  threads: number,
+  generations: BigUint64Array,
+): Promise<void> {
+  const a = loaded?.addon ?? addon();
+  let p: Promise<void>;
+  try {
+    p = a.copyPlannedAsync(plan, ranges, count, stride, deadlineMs, maxAttempts, threads, generations);
+  } catch (e) {
+    return Promise.reject(toTypedError(e));
+  }
+  return p.catch(rethrowTyped);
+}
+
+function rethrowTyped(e: unknown): never {
+  throw toTypedError(e);
+}
+
 function loadState(segment: ArrayBuffer): number {
   const a = loaded?.addon ?? addon();
   try {
@@ -374,6 +416,7 @@ export const native: NativeAddon = {
   copyBatch,
   planBatch: wrap('planBatch'),
   copyPlanned,
+  copyPlannedAsync,
   setState: wrap('setState'),
   loadState,
   importerAdd: wrap('importerAdd'),

@@ -177,6 +177,17 @@ export interface CudaIpcTransportOptions {
    */
   readonly copyThreads?: number;
   /**
+   * Host batches of at least this many bytes are copied off the JavaScript thread (on a thread
+   * of libuv's pool; default 8 MiB; `Infinity`: never). Everything is still checked on the
+   * calling thread before any byte moves, with the same errors; the post's promise settles when
+   * the copy has ended. A copy of 8 MiB holds the event loop for about 1 ms at memory speed
+   * (64 MiB for 7 to 11 ms here): off the thread, other calls, timers and sockets go on
+   * meanwhile, and two concurrent posts copy on two cores. Smaller batches are copied on the
+   * calling thread, where the hand-off would cost more than the copy. A registered buffer must
+   * not be transferred or detached while a transfer into or out of it is in flight.
+   */
+  readonly asyncCopyBytes?: number;
+  /**
    * Bounds on what peers can make this transport hold on its control channel (invariant 16).
    * Past each, the peer's new connection is refused (or the offending socket closed) with a
    * logged reason, counted in {@link CudaIpcTransport.peerEvents}; other peers are unaffected.
@@ -450,6 +461,8 @@ const LAYOUT_PROBLEM =
 
 /** Whether the loaded addon keeps batch tables natively (planBatch; an older build does not), asked once, on the first host copy. */
 let plannedCopies: boolean | undefined;
+/** Whether the loaded addon copies off the JavaScript thread (copyPlannedAsync; an older build may not). */
+let asyncCopies: boolean | undefined;
 
 /** Whether the loaded addon has cudaCopyRanges (one call per device-to-device batch), asked once. */
 let cudaRanges: boolean | undefined;
@@ -473,6 +486,8 @@ const MAX_COPY_THREADS = 16;
 function defaultCopyThreads(): number {
   return Math.max(1, Math.min(4, Math.floor(availableParallelism() / 2)));
 }
+/** {@link CudaIpcTransportOptions.asyncCopyBytes} when not given. */
+const DEFAULT_ASYNC_COPY_BYTES = 8 * 1024 * 1024;
 /** How often (ms) a connection confirms that the peer's pid is still the same process. */
 const PID_RECHECK_MS = 250;
 /** RemoteRejectedError codes about the request itself, never caused by a peer going away. */
@@ -771,8 +786,10 @@ class CudaIpcConnection implements TransportConnection {
       this.#liveLocals(batch);
       try {
         const plan = this.#hostPlan(batch);
-        if (plan) this.#copyHost(batch, plan, options);
-        else await this.#executeRanges(batch, options);
+        if (plan) {
+          const copying = this.#copyHost(batch, plan, options);
+          if (copying) await copying;
+        } else await this.#executeRanges(batch, options);
       } catch (e) {
         // A grant that vanished because its owner is closing or died is a broken connection.
         // A peer that is shutting down closes its connections before it revokes its
@@ -1040,8 +1057,14 @@ class CudaIpcConnection implements TransportConnection {
     return r;
   }
 
-  /** Host memory on both sides: the whole batch in one native call. */
-  #copyHost(batch: TransferBatch, plan: HostPlan, options: ExecuteOptions): void {
+  /**
+   * Host memory on both sides: the whole batch in one native call. A batch of at least
+   * {@link CudaIpcTransportOptions.asyncCopyBytes} is checked here and copied off this thread:
+   * the returned promise settles when it has been (undefined: copied already).
+   */
+  #copyHost(batch: TransferBatch, plan: HostPlan, options: ExecuteOptions): Promise<void> | undefined {
+    let copying: Promise<void> | undefined;
+    let generations = plan.generations;
     try {
       // A plan is copied through many times (every post of a prepared transfer, every batch over
       // the same local and remote): its tables go to the addon once (planBatch), and each copy
@@ -1054,7 +1077,11 @@ class CudaIpcConnection implements TransportConnection {
           : null;
         plan.native = planned;
       }
-      if (planned !== null) native.copyPlanned(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads);
+      if (planned !== null && batch.bytes >= this.#owner.asyncCopyBytes && (asyncCopies ??= nativeHas('copyPlannedAsync'))) {
+        // Posts of one plan may overlap now: each has its own generations.
+        generations = new BigUint64Array(plan.generations.length);
+        copying = native.copyPlannedAsync(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads, generations);
+      } else if (planned !== null) native.copyPlanned(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads);
       else {
         native.copyBatch(
           plan.op,
@@ -1078,10 +1105,23 @@ class CudaIpcConnection implements TransportConnection {
     } catch (e) {
       throw this.#batchError(e, batch, plan);
     }
-    if (plan.seqlocked) {
-      for (let s = 0; s < plan.segments.length; s++) {
-        if (plan.segmentFlags[s] === 1) this.#sameGeneration(options.transfer, batch, plan.segmentNames[s] as string, plan.generations[s] as bigint);
-      }
+    if (copying) {
+      return copying.then(
+        () => this.#copiedGenerations(batch, plan, options, generations),
+        (e: unknown) => {
+          throw this.#batchError(e, batch, plan);
+        },
+      );
+    }
+    this.#copiedGenerations(batch, plan, options, generations);
+    return undefined;
+  }
+
+  /** The generations the batch copied its pool slots at, checked against the transfer's other batches. */
+  #copiedGenerations(batch: TransferBatch, plan: HostPlan, options: ExecuteOptions, generations: BigUint64Array): void {
+    if (!plan.seqlocked) return;
+    for (let s = 0; s < plan.segments.length; s++) {
+      if (plan.segmentFlags[s] === 1) this.#sameGeneration(options.transfer, batch, plan.segmentNames[s] as string, generations[s] as bigint);
     }
   }
 
@@ -1461,6 +1501,8 @@ export class CudaIpcTransport implements Transport {
   readonly #maxTables: number;
   /** Threads that copy a host batch's bytes ({@link CudaIpcTransportOptions.copyThreads}). */
   readonly copyThreads: number;
+  /** Host batches of at least this many bytes are copied off the JavaScript thread ({@link CudaIpcTransportOptions.asyncCopyBytes}). */
+  readonly asyncCopyBytes: number;
   /** Live range grants (not yet revoked). */
   readonly #rangeGrants = new Set<RangeGrant>();
   /** Range grants revoked while a peer batch was inside them, until it left (or the wait timed out): `revoked` is that wait. */
@@ -1485,6 +1527,10 @@ export class CudaIpcTransport implements Transport {
     this.copyThreads = options.copyThreads ?? defaultCopyThreads();
     if (!Number.isSafeInteger(this.copyThreads) || this.copyThreads < 1 || this.copyThreads > MAX_COPY_THREADS) {
       throw new InvalidInputError(`copyThreads must be an integer from 1 to ${MAX_COPY_THREADS}`, { details: { field: 'copyThreads' } });
+    }
+    this.asyncCopyBytes = options.asyncCopyBytes ?? DEFAULT_ASYNC_COPY_BYTES;
+    if (!(this.asyncCopyBytes === Number.POSITIVE_INFINITY || (Number.isSafeInteger(this.asyncCopyBytes) && this.asyncCopyBytes >= 1))) {
+      throw new InvalidInputError(`asyncCopyBytes must be a positive integer or Infinity, got ${String(options.asyncCopyBytes)}`, { details: { field: 'asyncCopyBytes' } });
     }
     const lim = options.limits ?? {};
     this.#handshakeTimeoutMs = limit('handshakeTimeoutMs', lim.handshakeTimeoutMs, 10_000, 3_600_000);

@@ -1,0 +1,292 @@
+/**
+ * Host batches of at least `asyncCopyBytes` are copied off the JavaScript thread
+ * (copyPlannedAsync): checked on the calling thread first (a bad range or a revoked local fails
+ * before anything is queued and before any byte moves), copied on a thread of libuv's pool,
+ * settled on the JavaScript thread with the errors a copy on the calling thread gives. While
+ * one is in flight the event loop runs, and the connection's close waits for it.
+ *
+ * "Off the thread" is shown without timing: a read of a pool slot whose owner is in the middle
+ * of a write waits (natively) for the write to end. On the calling thread that wait would hold
+ * the event loop, so the write, finished by this thread's JavaScript, could never end before
+ * the copy's stuck-writer bound; off the thread the write ends, the copy goes on and lands the
+ * new bytes.
+ */
+import { once } from 'node:events';
+import { Worker } from 'node:worker_threads';
+import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import {
+  InvalidInputError,
+  RemoteRejectedError,
+  createTransferBatch,
+  defaultHostId,
+  silentLogger,
+  type TransferBatch,
+  type TransferRangeInit,
+  type TransportConnection,
+  type TransportHost,
+} from '@tensorwire/core';
+import { CudaIpcTransport, TensorPool, allocateSharedMemory, releaseSharedMemory, type PoolView } from '../src/index.js';
+import { fixture, uniqueOwner } from './helpers.js';
+import { failure } from './pool-fixtures.js';
+
+const SLOT = 256 * 1024;
+const REGION = 4 * 2 ** 20;
+const pattern = (x: number): number => (x * 29 + (x >> 10) + 3) & 255;
+const signal = new AbortController().signal;
+const opts = (): { signal: AbortSignal; deadline: number } => ({ signal, deadline: Date.now() + 20_000 });
+const tick = (): Promise<void> => new Promise((r) => setImmediate(r));
+
+let pool: TensorPool;
+let holder: CudaIpcTransport;
+/** Copies every batch of 1 byte or more off the thread. */
+let offThread: CudaIpcTransport;
+let conn: TransportConnection;
+let hosts: TransportHost[];
+let slotView: PoolView;
+let slotRemote: unknown;
+let slotPayload: Uint8Array;
+let region: Uint8Array;
+let regionRemote: unknown;
+let regionReg: { handle: object; payload: Uint8Array };
+
+beforeAll(async () => {
+  pool = new TensorPool({ owner: uniqueOwner('ac') });
+  hosts = ['ah', 'ao'].map((n) => ({ identity: { nodeId: `${n}${process.pid}`, incarnation: `i${n}`, hostId: defaultHostId() }, logger: silentLogger, inbound: () => undefined }));
+  holder = new CudaIpcTransport();
+  offThread = new CudaIpcTransport({ asyncCopyBytes: 1, copyThreads: 2 });
+  await holder.start(hosts[0] as TransportHost);
+  await offThread.start(hosts[1] as TransportHost);
+  const id = await pool.register({ dtype: 'uint8', shape: [SLOT] });
+  pool.writeSync(id, Uint8Array.from({ length: SLOT }, (_, i) => pattern(i)));
+  slotView = pool.readSync(id);
+  const slotReg = await holder.register({ kind: 'host', buffer: slotView.buffer as Uint8Array });
+  slotPayload = slotReg.payload;
+  slotRemote = offThread.decodeRemote(slotReg.payload, 'host', SLOT);
+  region = allocateSharedMemory(REGION, 'asynccopy');
+  for (let i = 0; i < REGION; i++) region[i] = pattern(i + 1);
+  regionReg = await holder.register({ kind: 'host', buffer: region });
+  regionRemote = offThread.decodeRemote(regionReg.payload, 'host', REGION);
+  conn = await offThread.connect((hosts[0] as TransportHost).identity, holder.endpoint(), { ...opts(), streams: 1 });
+});
+
+afterAll(async () => {
+  await conn?.close();
+  slotView?.dispose();
+  if (region) releaseSharedMemory(region);
+  await Promise.all([holder?.close(), offThread?.close()]);
+  await pool?.close();
+});
+
+async function local(t: CudaIpcTransport, bytes: number, fill: number): Promise<{ handle: object; buffer: Uint8Array }> {
+  const buffer = new Uint8Array(bytes).fill(fill);
+  return { handle: (await t.register({ kind: 'host', buffer })).handle, buffer };
+}
+
+/** The slot's seqlock generation (the owner's mapping): odd while a write is in progress. */
+function slotGeneration(): BigUint64Array {
+  return new BigUint64Array(((slotView.buffer as Uint8Array).buffer as ArrayBuffer), 128, 1);
+}
+
+describe('cuda-ipc asyncCopyBytes', () => {
+  it('validates the option; the default is 8 MiB', () => {
+    for (const bad of [0, -1, 1.5, Number.NaN, Number.NEGATIVE_INFINITY, 2 ** 60]) expect(() => new CudaIpcTransport({ asyncCopyBytes: bad })).toThrow(InvalidInputError);
+    expect(new CudaIpcTransport().asyncCopyBytes).toBe(8 * 2 ** 20);
+    expect(new CudaIpcTransport({ asyncCopyBytes: Number.POSITIVE_INFINITY }).asyncCopyBytes).toBe(Number.POSITIVE_INFINITY);
+    expect(new CudaIpcTransport({ asyncCopyBytes: 1 }).asyncCopyBytes).toBe(1);
+  });
+
+  it('a copy waiting for a write in progress leaves the event loop free: the write ends, the copy lands the new bytes', async () => {
+    const dst = await local(offThread, SLOT, 0xee);
+    const gen = slotGeneration();
+    const data = slotView.buffer as Uint8Array;
+    const before = gen[0] as bigint;
+    gen[0] = before + 1n; // the owner took the write lock
+    let settled = false;
+    const read = conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
+      settled = true;
+    });
+    try {
+      for (let i = 0; i < 5; i++) await tick();
+      // The copy cannot have ended: the write is still in progress.
+      expect(settled).toBe(false);
+      // This thread runs: it finishes the owner's write.
+      for (let i = 0; i < SLOT; i++) data[i] = pattern(i + 7);
+    } finally {
+      gen[0] = before + 2n;
+    }
+    await read;
+    for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i + 7)) expect.fail(`byte ${i}: ${dst.buffer[i]}, want ${pattern(i + 7)}`);
+    // Put the slot back for the other tests.
+    gen[0] = before + 3n;
+    for (let i = 0; i < SLOT; i++) data[i] = pattern(i);
+    gen[0] = before + 4n;
+  });
+
+  it('large scattered reads and writes land exactly their bytes, several in flight at once over one plan and over others', async () => {
+    const block = 96 * 1024;
+    const n = 24;
+    const dsts = await Promise.all([0, 1, 2].map(() => local(offThread, n * block + 4096, 0xee)));
+    // Block i of the region, from the end backwards, into block i of each destination at an offset of its own.
+    const list = (d: { handle: object }, shift: number): TransferRangeInit[] =>
+      Array.from({ length: n }, (_, i) => ({ local: d.handle, localOffset: i * block + shift, remote: regionRemote, remoteOffset: REGION - (i + 1) * (block + 1000), length: block, request: i }));
+    const batches: TransferBatch[] = dsts.map((d, k) => createTransferBatch('read', list(d, k * 100)));
+    // The first batch twice at once (one plan, two posts), the others beside it.
+    await Promise.all([conn.execute(0, batches[0] as TransferBatch, opts()), conn.execute(0, batches[0] as TransferBatch, opts()), conn.execute(0, batches[1] as TransferBatch, opts()), conn.execute(0, batches[2] as TransferBatch, opts())]);
+    dsts.forEach((d, k) => {
+      const expected = new Uint8Array(d.buffer.byteLength).fill(0xee);
+      for (const r of list(d, k * 100)) for (let x = 0; x < r.length; x++) expected[r.localOffset + x] = pattern(r.remoteOffset + x + 1);
+      expect(Buffer.compare(d.buffer, expected), `destination ${k}`).toBe(0);
+    });
+    // A write of 1 MiB in 16 blocks, every other block of a shared target.
+    const target = allocateSharedMemory(2 * 2 ** 20, 'asynccopyw');
+    try {
+      target.fill(0x11);
+      const reg = await holder.register({ kind: 'host', buffer: target });
+      const remote = offThread.decodeRemote(reg.payload, 'host', target.byteLength);
+      const src = await local(offThread, 2 ** 20, 0);
+      for (let i = 0; i < src.buffer.length; i++) src.buffer[i] = pattern(i + 9);
+      const wb = 64 * 1024;
+      const writes: TransferRangeInit[] = Array.from({ length: 16 }, (_, i) => ({ local: src.handle, localOffset: i * wb, remote, remoteOffset: (15 - i) * 2 * wb, length: wb, request: i }));
+      await conn.execute(0, createTransferBatch('write', writes), opts());
+      const expected = new Uint8Array(target.byteLength).fill(0x11);
+      for (const r of writes) for (let x = 0; x < r.length; x++) expected[r.remoteOffset + x] = pattern(r.localOffset + x + 9);
+      expect(Buffer.compare(target, expected)).toBe(0);
+      await holder.revoke(reg.handle);
+    } finally {
+      releaseSharedMemory(target);
+    }
+  });
+
+  it('a bad range in the middle fails the batch on the calling thread, naming it, before any byte moves', async () => {
+    const dst = await local(offThread, 2 ** 20, 0xee);
+    const list: TransferRangeInit[] = Array.from({ length: 16 }, (_, i) => ({ local: dst.handle, localOffset: i * 65536, remote: regionRemote, remoteOffset: i * 70000, length: 65536, request: i }));
+    (list[9] as { remoteOffset: number }).remoteOffset = REGION - 10;
+    const err = await failure(conn.execute(0, createTransferBatch('read', list), opts()));
+    expect(err).toBeInstanceOf(RemoteRejectedError);
+    expect((err as RemoteRejectedError).remoteCode).toBe('bounds');
+    expect(err.details['request']).toBe(9);
+    expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
+  });
+
+  it('a grant revoked before the copy runs rejects the promise with the error a copy on the calling thread gives; no byte moves', async () => {
+    const shared = allocateSharedMemory(2 ** 20, 'asynccopyr');
+    try {
+      shared.fill(5);
+      const reg = await holder.register({ kind: 'host', buffer: shared });
+      const remote = offThread.decodeRemote(reg.payload, 'host', shared.byteLength);
+      const dst = await local(offThread, 2 ** 20, 0xee);
+      const batch = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote, remoteOffset: 0, length: shared.byteLength, request: 4 }]);
+      await conn.execute(0, batch, opts());
+      expect(dst.buffer.every((x) => x === 5)).toBe(true);
+      dst.buffer.fill(0xee);
+      await holder.revoke(reg.handle);
+      const err = await failure(conn.execute(0, batch, opts()));
+      expect(err).toBeInstanceOf(RemoteRejectedError);
+      expect((err as RemoteRejectedError).remoteCode).toBe('revoked');
+      expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
+    } finally {
+      releaseSharedMemory(shared);
+    }
+  });
+
+  it("the connection's close waits for a copy in flight, which still lands its bytes", async () => {
+    const c2 = await offThread.connect((hosts[0] as TransportHost).identity, holder.endpoint(), { ...opts(), streams: 1 });
+    const dst = await local(offThread, SLOT, 0xee);
+    const gen = slotGeneration();
+    const before = gen[0] as bigint;
+    gen[0] = before + 1n;
+    let closed = false;
+    let read: Promise<void> | undefined;
+    let closing: Promise<void> | undefined;
+    try {
+      read = c2.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts());
+      closing = c2.close().then(() => {
+        closed = true;
+      });
+      for (let i = 0; i < 5; i++) await tick();
+      expect(closed).toBe(false);
+    } finally {
+      gen[0] = before + 2n;
+    }
+    await read;
+    await closing;
+    expect(closed).toBe(true);
+    for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+  });
+
+  it('batches below the threshold are copied on the calling thread; a batch of exactly the threshold is not', async () => {
+    const t = new CudaIpcTransport({ asyncCopyBytes: SLOT });
+    await t.start({ identity: { nodeId: `as${process.pid}`, incarnation: 'ias', hostId: defaultHostId() }, logger: silentLogger, inbound: () => undefined });
+    const c = await t.connect((hosts[0] as TransportHost).identity, holder.endpoint(), { ...opts(), streams: 1 });
+    try {
+      const remote = t.decodeRemote(regionReg.payload, 'host', REGION);
+      const slot = t.decodeRemote(slotPayload, 'host', SLOT);
+      const dst = await local(t, SLOT, 0xee);
+      // One byte below: the bytes are there when execute() returns its promise.
+      const below = c.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote, remoteOffset: 0, length: SLOT - 1 }]), opts());
+      expect(dst.buffer[0]).toBe(pattern(1));
+      expect(dst.buffer[SLOT - 2]).toBe(pattern(SLOT - 2 + 1));
+      await below;
+      // Exactly the threshold: off the thread (it waits for a write this thread ends).
+      const gen = slotGeneration();
+      const before = gen[0] as bigint;
+      gen[0] = before + 1n;
+      let settled = false;
+      let at: Promise<void> | undefined;
+      try {
+        at = c.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slot, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
+          settled = true;
+        });
+        for (let i = 0; i < 5; i++) await tick();
+        expect(settled).toBe(false);
+      } finally {
+        gen[0] = before + 2n;
+      }
+      await at;
+      for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+    } finally {
+      await c.close();
+      await t.close();
+    }
+  });
+
+  it('the batches of one transfer that copied a pool slot at different generations fail it (slot-rewritten), with the generations of copies made off the thread', async () => {
+    const dst = await local(offThread, SLOT, 0xee);
+    const transfer = {};
+    const half = SLOT / 2;
+    const first = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: half }]);
+    const second = createTransferBatch('read', [{ local: dst.handle, localOffset: half, remote: slotRemote, remoteOffset: half, length: half }]);
+    await conn.execute(0, first, { ...opts(), transfer });
+    // The owner rewrites the slot between the transfer's two batches.
+    const gen = slotGeneration();
+    const before = gen[0] as bigint;
+    gen[0] = before + 2n;
+    try {
+      const err = await failure(conn.execute(0, second, { ...opts(), transfer }));
+      expect(err).toBeInstanceOf(RemoteRejectedError);
+      expect((err as RemoteRejectedError).remoteCode).toBe('slot-rewritten');
+      // Another transfer's batches at one generation are fine.
+      const again = {};
+      await conn.execute(0, first, { ...opts(), transfer: again });
+      await conn.execute(0, second, { ...opts(), transfer: again });
+      for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+    } finally {
+      gen[0] = before + 4n;
+    }
+  });
+
+  it.each([
+    ['copies running', false],
+    ['copies waiting for a write in progress', true],
+  ])('a worker thread terminated with %s ends cleanly (teardown waits for them; nothing escapes into the process)', async (_label, stall) => {
+    const w = new Worker(fixture('async-copy-worker.mjs'), { workerData: { stall, tag: stall ? 's' : 'r' } });
+    const [msg] = (await once(w, 'message')) as [string];
+    expect(msg).toBe('copying');
+    const code = await w.terminate();
+    expect(code).toBe(1);
+    // This process is alive and its own copies still work.
+    const dst = await local(offThread, 2 ** 20, 0xee);
+    await conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: regionRemote, remoteOffset: 5, length: 2 ** 20 }]), opts());
+    expect(dst.buffer[0]).toBe(pattern(6));
+  });
+});
