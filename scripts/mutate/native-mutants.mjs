@@ -150,6 +150,22 @@ export const MUTANTS = [
     replace: 'if (p + 1 >= pieces) return;',
     tests: ['test/copy-threads.test.ts'],
   },
+  {
+    id: 'async-generations',
+    what: 'a copy off the JavaScript thread never reports the generations it copied pool slots at (a transfer split over batches could mix two versions of a slot)',
+    file: 'addon.cc',
+    find: /std::memcpy\(g, gens_\.data\(\), gens_\.size\(\) \* sizeof\(uint64_t\)\);/,
+    replace: '(void)g;',
+    tests: ['test/async-copy.test.ts'],
+  },
+  {
+    id: 'async-teardown',
+    what: 'a copy off the JavaScript thread that ends while its environment is torn down lets the failed settle escape (the process aborts)',
+    file: 'addon.cc',
+    find: /\} catch \(const Napi::Error&\) \{\n {4}\/\/ The environment is being torn down/,
+    replace: '} catch (const int&) {\n    // The environment is being torn down',
+    tests: ['test/async-copy.test.ts'],
+  },
 ];
 
 function run(cmd, args, opts = {}) {

@@ -17,7 +17,7 @@ import { runScenario, runSettings } from './scenarios/run.js';
 import { kvScenario, kvSettings } from './scenarios/kv.js';
 import { poolDevice, poolScenario } from './scenarios/pool.js';
 import { locksBurst } from './scenarios/locks.js';
-import { COPY_THREADS_ENV, TRANSPORT_CHOICES, copyThreadsSetting, type TransportChoice } from './transports.js';
+import { ASYNC_COPY_ENV, COPY_THREADS_ENV, TRANSPORT_CHOICES, asyncCopySetting, copyThreadsSetting, type TransportChoice } from './transports.js';
 import { startHolder } from './holder.js';
 import { runFetcher } from './fetcher.js';
 import { publishHolder, resolveHolder } from './discovery.js';
@@ -35,6 +35,7 @@ interface GlobalOptions {
   total?: string;
   compare?: boolean;
   copyThreads?: string;
+  asyncCopyBytes?: string;
   progress?: boolean;
 }
 
@@ -55,8 +56,10 @@ function context(opts: GlobalOptions, signal: AbortSignal): ScenarioContext {
   const totalBytes = opts.total !== undefined ? parseBytes(opts.total, 'total') : undefined;
   // Read where the same-host transport is built: in this process and in the workers it forks.
   if (opts.copyThreads !== undefined) process.env[COPY_THREADS_ENV] = opts.copyThreads;
+  if (opts.asyncCopyBytes !== undefined) process.env[ASYNC_COPY_ENV] = opts.asyncCopyBytes;
   // A bad value (of the flag or of the variable set by hand) fails here, not in a worker.
   copyThreadsSetting();
+  asyncCopySetting();
   const showProgress = opts.progress !== false && !opts.json && process.stderr.isTTY === true;
   const bar = showProgress ? new cliProgress.SingleBar({ format: '{label} [{bar}] {value}/{total}', clearOnComplete: true, stream: process.stderr }, cliProgress.Presets.shades_classic) : undefined;
   let started = false;
@@ -173,6 +176,7 @@ function withGlobals(cmd: Command): Command {
     .option('--total <size>', 'bytes to move per measurement, e.g. 1GiB')
     .option('--compare', 'also run iperf3 and ucx_perftest (UCX over tcp and posix shm) where installed')
     .option('--copy-threads <n>', "threads that copy a same-host batch of 1 MiB and more (cuda-ipc copyThreads, 1 to 16; default the library's: half the available cores, 1 to 4)")
+    .option('--async-copy-bytes <size>', "same-host batches of this size and more are copied off the JavaScript thread, or never (cuda-ipc asyncCopyBytes; default the library's: 8 MiB)")
     .option('--no-progress', 'no progress bar');
 }
 

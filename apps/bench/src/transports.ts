@@ -7,6 +7,7 @@
 import { TcpTransport, type TcpTransportOptions, type Transport } from '@tensorwire/core';
 import { CudaIpcTransport, capabilities } from '@tensorwire/cuda-ipc';
 import { BenchError } from './types.js';
+import { formatBytes, parseBytes } from './units.js';
 
 export const TRANSPORT_CHOICES = ['auto', 'tcp', 'cuda-ipc'] as const;
 /** `auto`: every transport this process can build, the engine chooses; otherwise only that one. */
@@ -33,16 +34,38 @@ export function copyThreadsSetting(env: NodeJS.ProcessEnv = process.env): number
   return n;
 }
 
-/** The same-host transport as the bench builds it: `copyThreads` from `--copy-threads`, else the library default. */
-function sameHostTransport(): CudaIpcTransport {
-  const n = copyThreadsSetting();
-  return n === undefined ? new CudaIpcTransport() : new CudaIpcTransport({ copyThreads: n });
+/** The environment variable `--async-copy-bytes` sets for this process and the workers it forks. */
+export const ASYNC_COPY_ENV = 'TENSORWIRE_BENCH_ASYNC_COPY_BYTES';
+
+/**
+ * The same-host transport's `asyncCopyBytes` from `--async-copy-bytes` (or {@link ASYNC_COPY_ENV}):
+ * a size, or `never` (Infinity); undefined for the library default. Throws BenchError naming
+ * the variable for a bad value.
+ */
+export function asyncCopySetting(env: NodeJS.ProcessEnv = process.env): number | undefined {
+  const raw = env[ASYNC_COPY_ENV];
+  if (raw === undefined) return undefined;
+  if (raw.trim().toLowerCase() === 'never') return Number.POSITIVE_INFINITY;
+  try {
+    return parseBytes(raw, `--async-copy-bytes (${ASYNC_COPY_ENV})`);
+  } catch (e) {
+    throw new BenchError(`${(e as Error).message}, or never`);
+  }
 }
 
-/** What the notes say about the same-host transport's copy threads. */
+/** The same-host transport as the bench builds it: `copyThreads` and `asyncCopyBytes` from the flags, else the library defaults. */
+function sameHostTransport(): CudaIpcTransport {
+  const n = copyThreadsSetting();
+  const bytes = asyncCopySetting();
+  return new CudaIpcTransport({ ...(n !== undefined ? { copyThreads: n } : {}), ...(bytes !== undefined ? { asyncCopyBytes: bytes } : {}) });
+}
+
+/** What the notes say about the same-host transport's copy threads and which batches it copies off the JavaScript thread. */
 function copyThreadsNote(t: CudaIpcTransport): string {
   const how = copyThreadsSetting() === undefined ? "the library default: half this process's available cores, 1 to 4" : `--copy-threads, ${COPY_THREADS_ENV}`;
-  return `cuda-ipc copies host batches of 1 MiB and more on up to ${t.copyThreads} thread(s) (${how})`;
+  const off = t.asyncCopyBytes === Number.POSITIVE_INFINITY ? 'every batch on the JavaScript thread' : `batches of ${formatBytes(t.asyncCopyBytes)} and more off the JavaScript thread`;
+  const offHow = asyncCopySetting() === undefined ? 'the library default' : `--async-copy-bytes, ${ASYNC_COPY_ENV}`;
+  return `cuda-ipc copies host batches of 1 MiB and more on up to ${t.copyThreads} thread(s) (${how}); ${off} (${offHow})`;
 }
 
 /** Why the same-host transport cannot be built in this process, or undefined when it can. */

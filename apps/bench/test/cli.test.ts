@@ -92,8 +92,22 @@ describe('tensorwire-bench CLI', () => {
     const notes = (JSON.parse(r.stdout) as { results: { notes: string[] }[] }).results[0]?.notes ?? [];
     const sameHost = notes.filter((n) => n.startsWith('cuda-ipc copies host batches'));
     // The requester's note; none when this machine cannot build the same-host transport.
-    if (sameHost.length > 0) expect(sameHost).toEqual(['cuda-ipc copies host batches of 1 MiB and more on up to 3 thread(s) (--copy-threads, TENSORWIRE_BENCH_COPY_THREADS)']);
+    if (sameHost.length > 0) expect(sameHost).toEqual(['cuda-ipc copies host batches of 1 MiB and more on up to 3 thread(s) (--copy-threads, TENSORWIRE_BENCH_COPY_THREADS); batches of 8 MiB and more off the JavaScript thread (the library default)']);
     else expect(notes.join('\n')).toMatch(/same-host transport is unavailable/);
+  });
+
+  it('--async-copy-bytes reaches the workers that build the same-host transport (a size, or never), and the notes say so', async () => {
+    for (const [flag, says] of [
+      ['64KiB', 'batches of 64 KiB and more off the JavaScript thread (--async-copy-bytes, TENSORWIRE_BENCH_ASYNC_COPY_BYTES)'],
+      ['never', 'every batch on the JavaScript thread (--async-copy-bytes, TENSORWIRE_BENCH_ASYNC_COPY_BYTES)'],
+    ] as const) {
+      const r = await runCli(['kv', '--quick', '--async-copy-bytes', flag, '--json', '--no-progress']);
+      expect(r.code, r.stderr).toBe(0);
+      const notes = (JSON.parse(r.stdout) as { results: { notes: string[] }[] }).results[0]?.notes ?? [];
+      const sameHost = notes.filter((n) => n.startsWith('cuda-ipc copies host batches'));
+      if (sameHost.length > 0) expect(sameHost.map((n) => n.split('; ')[1])).toEqual([says]);
+      else expect(notes.join('\n')).toMatch(/same-host transport is unavailable/);
+    }
   });
 
   it('a bad TENSORWIRE_BENCH_COPY_THREADS set by hand: one-line error naming it, before any worker starts', async () => {
@@ -116,6 +130,7 @@ describe('tensorwire-bench CLI', () => {
     ['a pool device that is neither cpu nor cuda:N', ['pool', '--device', 'gpu0'], /--device "gpu0" must be cpu or cuda:N/],
     ['a copy thread count of 0', ['kv', '--copy-threads', '0'], /--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "0" must be an integer from 1 to 16/],
     ['a copy thread count that is not a number', ['run', '--copy-threads', '2x'], /--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "2x" must be an integer from 1 to 16/],
+    ['an async copy size that is not a size', ['kv', '--async-copy-bytes', 'big'], /--async-copy-bytes \(TENSORWIRE_BENCH_ASYNC_COPY_BYTES\) "big" is not a size .*, or never/],
   ] as const) {
     it(`${label}: one-line error, non-zero exit, no stack trace, no orphans`, async () => {
       const r = await runCli([...args]);

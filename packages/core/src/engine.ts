@@ -1393,16 +1393,17 @@ export class TransferEngine {
     options: TransferOptions,
   ): Promise<TransferReport> {
     this.#assertOpen();
-    await this.start();
-    // close() may have run while start() was awaited (a first call racing close()).
-    this.#assertOpen();
+    // No start() here: every request names a registration of this engine (#plan refuses any
+    // other), and register() starts the engine, so an engine with a valid request has started.
     const plan = this.#plan(op, peerArg, requests);
     const dl = this.#deadlineSignal(options);
     const signal = dl.signal;
     const deadline = dl.deadline;
     try {
       for (let attempt = 0; ; attempt++) {
-        let pc = await this.#connection(plan.ep, plan.transport, signal);
+        // The common case, an established connection, without an await (#connection does the rest).
+        const known = this.#table.get(connectionKey(plan.ep.identity, plan.transport.name));
+        let pc = known?.conn?.isOpen === true && !signal.aborted ? known : await this.#connection(plan.ep, plan.transport, signal);
         if (!pc.conn?.isOpen) pc = await this.#connection(plan.ep, plan.transport, signal); // retired between handshake and use
         const conn = pc.conn as TransportConnection;
         const first = pc.nextStream;

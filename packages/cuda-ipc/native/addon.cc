@@ -244,8 +244,8 @@ struct RunState {
 // on the JavaScript thread; the environment's teardown waits for queued work to end.
 class CopyWorker : public Napi::AsyncWorker {
  public:
-  CopyWorker(Napi::Env env, Napi::Object plan, Napi::Object generations)
-      : Napi::AsyncWorker(env, "tensorwire.copy"), deferred_(Napi::Promise::Deferred::New(env)), plan_(Napi::Persistent(plan)),
+  CopyWorker(Napi::Env env, Napi::Object plan, BatchPlan* batch_plan, Napi::Object generations)
+      : Napi::AsyncWorker(env, "tensorwire.copy"), deferred_(Napi::Promise::Deferred::New(env)), plan_(Napi::Persistent(plan)), batch_plan_(batch_plan),
         generations_(Napi::Persistent(generations)) {}
   Napi::Promise Promise() { return deferred_.Promise(); }
   RunState& state() { return state_; }
@@ -257,6 +257,7 @@ class CopyWorker : public Napi::AsyncWorker {
  private:
   Napi::Promise::Deferred deferred_;
   Napi::ObjectReference plan_;
+  BatchPlan* batch_plan_;  // plan_'s, alive while plan_ is referenced
   Napi::ObjectReference generations_;
   RunState state_;
   std::vector<uint64_t> gens_;
@@ -286,6 +287,16 @@ void CopyWorker::OnOK() {
     if (out.ElementLength() >= gens_.size() && !gens_.empty()) {
       uint64_t* g = reinterpret_cast<uint64_t*>(static_cast<uint8_t*>(out.ArrayBuffer().Data()) + out.ByteOffset());
       std::memcpy(g, gens_.data(), gens_.size() * sizeof(uint64_t));
+    }
+    // A local buffer detached (transferred) or shrunk while the copy ran: the bytes went to
+    // memory it no longer owns. Said, since it cannot be undone (the README forbids it).
+    for (size_t i = 0; ok_ && i < batch_plan_->locals.size() && i < state_.locals.size(); i++) {
+      if (batch_plan_->locals[i].Value().As<Napi::Uint8Array>().ByteLength() < state_.locals[i].size) {
+        ok_ = false;
+        failure_ = BatchFailure{};
+        failure_.code = kInvalidInput;
+        failure_.message = "local buffer " + std::to_string(i) + " of the batch was detached or shrunk while the copy ran";
+      }
     }
     if (ok_) deferred_.Resolve(env.Undefined());
     else deferred_.Reject(BatchError(env, failure_).Value());
@@ -917,7 +928,7 @@ class Addon : public Napi::Addon<Addon> {
     const CallArgs call = ParseCall(info, "copyPlannedAsync", {2, 3, 4, 5, 6});
     Napi::TypedArray out = TypedArg(info, "copyPlannedAsync", 7, napi_biguint64_array, "BigUint64Array");
     if (out.ElementLength() < plan.segments.size()) ThrowInvalid(env, "copyPlannedAsync: generations must hold one value per segment");
-    std::unique_ptr<CopyWorker> w(new CopyWorker(env, info[0].As<Napi::Object>(), out));
+    std::unique_ptr<CopyWorker> w(new CopyWorker(env, info[0].As<Napi::Object>(), &plan, out));
     PreparePlan(env, plan, ranges, call, "copyPlannedAsync", w->state());
     w->gens().assign(plan.segments.size(), 0);
     Napi::Promise p = w->Promise();

@@ -18,8 +18,9 @@ namespace tw {
 // after every piece has returned and no pool thread is inside this Run any more (nothing the
 // pieces touch is used by a pool thread after Run: a batch leaves its grants only after that).
 // One Run at a time per pool: a Run that finds another one open (a copy on the JS thread and one
-// off it, copyPlannedAsync) runs every piece on its calling thread instead. The mutex orders the caller's earlier loads and stores before every piece
-// a pool thread runs; a pool thread's leaving is a release that Run acquires.
+// off it, copyPlannedAsync) runs every piece on its calling thread instead. The mutex orders the
+// caller's earlier loads and stores before every piece a pool thread runs; a pool thread's
+// leaving is a release that Run acquires.
 class CopyPool {
  public:
   using Fn = void (*)(uint32_t piece, void* ctx);

@@ -186,8 +186,8 @@ export interface NativeAddon {
   copyPlanned(plan: BatchPlanHandle, ranges: Float64Array, count: number, stride: number, deadlineMs: number, maxAttempts: number, threads?: number): void;
   /**
    * {@link NativeAddon.copyPlanned} with the bytes moved off the JavaScript thread (a thread of
-   * libuv's pool). Everything is checked before it returns (a bad range or table throws and
-   * nothing is queued); the promise settles when the copy has ended, with the error copyPlanned
+   * libuv's pool). Everything is checked before it returns (a bad range or table throws, in
+   * the call, and nothing is queued); the promise settles when the copy has ended, with the error copyPlanned
    * would have thrown. `generations` (one value per segment of the plan) receives the
    * generation each seqlocked segment was copied at, before the promise settles. The plan
    * and the buffers it references stay alive until then.
@@ -374,7 +374,8 @@ function copyPlannedAsync(
   try {
     p = a.copyPlannedAsync(plan, ranges, count, stride, deadlineMs, maxAttempts, threads, generations);
   } catch (e) {
-    return Promise.reject(toTypedError(e));
+    // Refused before anything was queued: thrown here, as copyPlanned throws.
+    throw toTypedError(e);
   }
   return p.catch(rethrowTyped);
 }

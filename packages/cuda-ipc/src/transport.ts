@@ -183,8 +183,11 @@ export interface CudaIpcTransportOptions {
    * the copy has ended. A copy of 8 MiB holds the event loop for about 1 ms at memory speed
    * (64 MiB for 7 to 11 ms here): off the thread, other calls, timers and sockets go on
    * meanwhile, and two concurrent posts copy on two cores. Smaller batches are copied on the
-   * calling thread, where the hand-off would cost more than the copy. A registered buffer must
-   * not be transferred or detached while a transfer into or out of it is in flight.
+   * calling thread, where the hand-off would cost more than the copy, and so are batches with a
+   * local buffer over a resizable ArrayBuffer. Revoking a local registration waits for the
+   * copies into or out of it. A registered buffer must not be transferred (detached) while a
+   * transfer into or out of it is in flight: the copy could write memory the buffer no longer
+   * owns (one that did is reported as InvalidInputError when it ends).
    */
   readonly asyncCopyBytes?: number;
   /**
@@ -257,6 +260,9 @@ class HostHandle {
   /** Grant tables whose directory holds a reference for this registration's segment, and its index there. */
   tables: GrantTable[] | undefined;
   dirs: number[] | undefined;
+  /** Copies off the JavaScript thread into or out of this buffer that have not ended (asyncCopyBytes). */
+  copying = 0;
+  #idle: (() => void)[] = [];
   constructor(
     readonly buffer: Uint8Array,
     readonly grant: Grant | undefined,
@@ -265,6 +271,21 @@ class HostHandle {
     /** Where the buffer starts in the segment mapping. */
     readonly base: number,
   ) {}
+
+  copyEnded(): void {
+    if (--this.copying === 0) for (const f of this.#idle.splice(0)) f();
+  }
+
+  /** Resolves when no copy off the JavaScript thread touches the buffer any more. */
+  idle(): Promise<void> {
+    return this.copying === 0 ? Promise.resolve() : new Promise<void>((r) => this.#idle.push(r));
+  }
+}
+
+/** Whether an off-thread copy may use these buffers: a resizable one could shrink under it. */
+function fixedLength(buffers: readonly Uint8Array[]): boolean {
+  for (let i = 0; i < buffers.length; i++) if ((buffers[i]?.buffer as { resizable?: boolean } | undefined)?.resizable === true) return false;
+  return true;
 }
 
 /** The opaque handle of a range grant: one record of a grant table. */
@@ -1077,10 +1098,16 @@ class CudaIpcConnection implements TransportConnection {
           : null;
         plan.native = planned;
       }
-      if (planned !== null && batch.bytes >= this.#owner.asyncCopyBytes && (asyncCopies ??= nativeHas('copyPlannedAsync'))) {
+      if (planned !== null && batch.bytes >= this.#owner.asyncCopyBytes && (asyncCopies ??= nativeHas('copyPlannedAsync')) && fixedLength(plan.locals)) {
         // Posts of one plan may overlap now: each has its own generations.
         generations = new BigUint64Array(plan.generations.length);
         copying = native.copyPlannedAsync(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads, generations);
+        // A revoke of a local waits for the copy (it resolves once nothing touches the memory).
+        const locals = batch.locals as readonly HostHandle[];
+        for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copying++;
+        copying = copying.finally(() => {
+          for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copyEnded();
+        });
       } else if (planned !== null) native.copyPlanned(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads);
       else {
         native.copyBatch(
@@ -1816,6 +1843,8 @@ export class CudaIpcTransport implements Transport {
       for (const g of this.#rangeGrants) if (g.handles.includes(handle)) dependents.push(this.revokeGrant(g));
       // And those revoked before whose peer batches are still inside: they may still copy the memory.
       for (const g of this.#drainingGrants) if (g.handles.includes(handle)) dependents.push(g.revoked as Promise<void>);
+      // And copies off the JavaScript thread into or out of it that are still running.
+      dependents.push(handle.idle());
       handle.revokedRanges = Promise.all(dependents).then(() => {
         for (const t of handle.tables ?? []) t.detach(handle.segment as GrantedSegment);
         handle.tables = undefined;

@@ -13,10 +13,11 @@
  */
 import { once } from 'node:events';
 import { Worker } from 'node:worker_threads';
-import { afterAll, beforeAll, describe, expect, it } from 'vitest';
+import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import {
   InvalidInputError,
   RemoteRejectedError,
+  type TensorwireError,
   createTransferBatch,
   defaultHostId,
   silentLogger,
@@ -25,7 +26,7 @@ import {
   type TransportConnection,
   type TransportHost,
 } from '@tensorwire/core';
-import { CudaIpcTransport, TensorPool, allocateSharedMemory, releaseSharedMemory, type PoolView } from '../src/index.js';
+import { CudaIpcTransport, TensorPool, allocateSharedMemory, native, releaseSharedMemory, type PoolView } from '../src/index.js';
 import { fixture, uniqueOwner } from './helpers.js';
 import { failure } from './pool-fixtures.js';
 
@@ -87,6 +88,48 @@ function slotGeneration(): BigUint64Array {
   return new BigUint64Array(((slotView.buffer as Uint8Array).buffer as ArrayBuffer), 128, 1);
 }
 
+/**
+ * The slot's owner takes its write lock (an odd generation) until the returned release() ends
+ * the write (the next even generation). While held, the lock moves on to the next odd
+ * generation every 100 ms, as a writer that keeps writing does, so a copy waiting for it never
+ * meets the stuck-writer bound (2 s on one generation), however slowly this thread runs.
+ */
+function holdWrite(): () => void {
+  const gen = slotGeneration();
+  gen[0] = (gen[0] as bigint) + 1n;
+  const timer = setInterval(() => {
+    gen[0] = (gen[0] as bigint) + 2n;
+  }, 100);
+  return () => {
+    clearInterval(timer);
+    gen[0] = (gen[0] as bigint) + 1n;
+  };
+}
+
+/**
+ * Starts `copy` (a read of the slot) while the slot's write is held, then `waiter`; while the
+ * copy cannot end, `waiter` must not settle; then the write ends and both settle.
+ */
+async function waitsForCopy(copy: () => Promise<void>, waiter: () => Promise<void>): Promise<void> {
+  const release = holdWrite();
+  let waited = false;
+  let copying: Promise<void> | undefined;
+  let waiting: Promise<void> | undefined;
+  try {
+    copying = copy();
+    waiting = waiter().then(() => {
+      waited = true;
+    });
+    for (let i = 0; i < 5; i++) await tick();
+    expect(waited).toBe(false);
+  } finally {
+    release();
+  }
+  await copying;
+  await waiting;
+  expect(waited).toBe(true);
+}
+
 describe('cuda-ipc asyncCopyBytes', () => {
   it('validates the option; the default is 8 MiB', () => {
     for (const bad of [0, -1, 1.5, Number.NaN, Number.NEGATIVE_INFINITY, 2 ** 60]) expect(() => new CudaIpcTransport({ asyncCopyBytes: bad })).toThrow(InvalidInputError);
@@ -97,29 +140,29 @@ describe('cuda-ipc asyncCopyBytes', () => {
 
   it('a copy waiting for a write in progress leaves the event loop free: the write ends, the copy lands the new bytes', async () => {
     const dst = await local(offThread, SLOT, 0xee);
-    const gen = slotGeneration();
     const data = slotView.buffer as Uint8Array;
-    const before = gen[0] as bigint;
-    gen[0] = before + 1n; // the owner took the write lock
+    const next = Uint8Array.from({ length: SLOT }, (_, i) => pattern(i + 7));
+    const release = holdWrite();
     let settled = false;
-    const read = conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
-      settled = true;
-    });
+    let read: Promise<void> | undefined;
     try {
+      read = conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
+        settled = true;
+      });
       for (let i = 0; i < 5; i++) await tick();
       // The copy cannot have ended: the write is still in progress.
       expect(settled).toBe(false);
       // This thread runs: it finishes the owner's write.
-      for (let i = 0; i < SLOT; i++) data[i] = pattern(i + 7);
+      data.set(next);
     } finally {
-      gen[0] = before + 2n;
+      release();
     }
     await read;
-    for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i + 7)) expect.fail(`byte ${i}: ${dst.buffer[i]}, want ${pattern(i + 7)}`);
+    expect(Buffer.compare(dst.buffer, next)).toBe(0);
     // Put the slot back for the other tests.
-    gen[0] = before + 3n;
+    const again = holdWrite();
     for (let i = 0; i < SLOT; i++) data[i] = pattern(i);
-    gen[0] = before + 4n;
+    again();
   });
 
   it('large scattered reads and writes land exactly their bytes, several in flight at once over one plan and over others', async () => {
@@ -161,7 +204,15 @@ describe('cuda-ipc asyncCopyBytes', () => {
     const dst = await local(offThread, 2 ** 20, 0xee);
     const list: TransferRangeInit[] = Array.from({ length: 16 }, (_, i) => ({ local: dst.handle, localOffset: i * 65536, remote: regionRemote, remoteOffset: i * 70000, length: 65536, request: i }));
     (list[9] as { remoteOffset: number }).remoteOffset = REGION - 10;
-    const err = await failure(conn.execute(0, createTransferBatch('read', list), opts()));
+    const spy = vi.spyOn(native, 'copyPlannedAsync');
+    let err: TensorwireError;
+    try {
+      err = await failure(conn.execute(0, createTransferBatch('read', list), opts()));
+      // Refused in the call on this thread: nothing was queued.
+      expect(spy.mock.results.map((r) => r.type)).toEqual(['throw']);
+    } finally {
+      spy.mockRestore();
+    }
     expect(err).toBeInstanceOf(RemoteRejectedError);
     expect((err as RemoteRejectedError).remoteCode).toBe('bounds');
     expect(err.details['request']).toBe(9);
@@ -175,7 +226,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
       const reg = await holder.register({ kind: 'host', buffer: shared });
       const remote = offThread.decodeRemote(reg.payload, 'host', shared.byteLength);
       const dst = await local(offThread, 2 ** 20, 0xee);
-      const batch = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote, remoteOffset: 0, length: shared.byteLength, request: 4 }]);
+      const batch = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote, remoteOffset: 0, length: shared.byteLength }]);
       await conn.execute(0, batch, opts());
       expect(dst.buffer.every((x) => x === 5)).toBe(true);
       dst.buffer.fill(0xee);
@@ -183,6 +234,8 @@ describe('cuda-ipc asyncCopyBytes', () => {
       const err = await failure(conn.execute(0, batch, opts()));
       expect(err).toBeInstanceOf(RemoteRejectedError);
       expect((err as RemoteRejectedError).remoteCode).toBe('revoked');
+      // The grant by name, as a copy on the calling thread reports it.
+      expect(err.details['grant']).toMatch(/^[\w./#-]+$/);
       expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
     } finally {
       releaseSharedMemory(shared);
@@ -192,26 +245,56 @@ describe('cuda-ipc asyncCopyBytes', () => {
   it("the connection's close waits for a copy in flight, which still lands its bytes", async () => {
     const c2 = await offThread.connect((hosts[0] as TransportHost).identity, holder.endpoint(), { ...opts(), streams: 1 });
     const dst = await local(offThread, SLOT, 0xee);
-    const gen = slotGeneration();
-    const before = gen[0] as bigint;
-    gen[0] = before + 1n;
-    let closed = false;
-    let read: Promise<void> | undefined;
-    let closing: Promise<void> | undefined;
-    try {
-      read = c2.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts());
-      closing = c2.close().then(() => {
-        closed = true;
-      });
-      for (let i = 0; i < 5; i++) await tick();
-      expect(closed).toBe(false);
-    } finally {
-      gen[0] = before + 2n;
-    }
-    await read;
-    await closing;
-    expect(closed).toBe(true);
+    await waitsForCopy(
+      () => c2.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()),
+      () => c2.close(),
+    );
     for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+  });
+
+  it('revoking a local registration waits for a copy into it that is still running; a later post is refused', async () => {
+    const dst = await local(offThread, SLOT, 0xee);
+    const batch = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT, request: 2 }]);
+    // The memory may be reused the moment revoke() resolves: not while the copy can write it.
+    await waitsForCopy(
+      () => conn.execute(0, batch, opts()),
+      () => offThread.revoke(dst.handle),
+    );
+    for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+    const err = await failure(conn.execute(0, batch, opts()));
+    expect(err).toBeInstanceOf(InvalidInputError);
+    expect(err.details['request']).toBe(2);
+  });
+
+  it('a local buffer detached while its copy ran fails the post with InvalidInputError', async () => {
+    const dst = await local(offThread, SLOT, 0xee);
+    const release = holdWrite();
+    let read: Promise<void> | undefined;
+    let moved: ArrayBuffer | undefined;
+    try {
+      read = conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts());
+      await tick();
+      // Transferred away (kept alive here: the copy writes the memory the clone now owns).
+      const own = dst.buffer.buffer as ArrayBuffer;
+      moved = structuredClone(own, { transfer: [own] });
+      expect(dst.buffer.byteLength).toBe(0);
+    } finally {
+      release();
+    }
+    const err = await failure(read as Promise<void>);
+    expect(err).toBeInstanceOf(InvalidInputError);
+    expect(err.message).toMatch(/detached or shrunk while the copy ran/);
+    expect(moved?.byteLength).toBe(SLOT);
+  });
+
+  it('a batch with a local buffer over a resizable ArrayBuffer is copied on the calling thread', async () => {
+    const Resizable = ArrayBuffer as unknown as new (n: number, o: { maxByteLength: number }) => ArrayBuffer;
+    const buffer = new Uint8Array(new Resizable(2 ** 20, { maxByteLength: 2 * 2 ** 20 })).fill(0xee);
+    const handle = (await offThread.register({ kind: 'host', buffer })).handle;
+    const p = conn.execute(0, createTransferBatch('read', [{ local: handle, localOffset: 0, remote: regionRemote, remoteOffset: 3, length: 2 ** 20 }]), opts());
+    // There when execute() returns: it never left this thread (a shrink could not race it).
+    expect(buffer[2 ** 20 - 1]).toBe(pattern(2 ** 20 - 1 + 3 + 1));
+    await p;
   });
 
   it('batches below the threshold are copied on the calling thread; a batch of exactly the threshold is not', async () => {
@@ -228,9 +311,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
       expect(dst.buffer[SLOT - 2]).toBe(pattern(SLOT - 2 + 1));
       await below;
       // Exactly the threshold: off the thread (it waits for a write this thread ends).
-      const gen = slotGeneration();
-      const before = gen[0] as bigint;
-      gen[0] = before + 1n;
+      const release = holdWrite();
       let settled = false;
       let at: Promise<void> | undefined;
       try {
@@ -240,7 +321,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
         for (let i = 0; i < 5; i++) await tick();
         expect(settled).toBe(false);
       } finally {
-        gen[0] = before + 2n;
+        release();
       }
       await at;
       for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
@@ -276,7 +357,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
   });
 
   it.each([
-    ['copies running', false],
+    ['copies queued or running', false],
     ['copies waiting for a write in progress', true],
   ])('a worker thread terminated with %s ends cleanly (teardown waits for them; nothing escapes into the process)', async (_label, stall) => {
     const w = new Worker(fixture('async-copy-worker.mjs'), { workerData: { stall, tag: stall ? 's' : 'r' } });
