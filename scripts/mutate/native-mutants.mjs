@@ -130,7 +130,7 @@ export const MUTANTS = [
     id: 'plan-stale-local',
     what: 'a run of the batch tables (copyBatch, copyPlanned) trusts more local bytes than the buffer has now (a plan kept across a detach or a shrink)',
     file: 'addon.cc',
-    find: /(plan\.locals\[i\]\.Value\(\)\.As<Napi::Uint8Array>\(\);\s*locals_\[i\] = BatchLocal\{u8\.Data\(\), )u8\.ByteLength\(\)\}/,
+    find: /(plan\.locals\[i\]\.Value\(\)\.As<Napi::Uint8Array>\(\);\s*st\.locals\[i\] = BatchLocal\{u8\.Data\(\), )u8\.ByteLength\(\)\}/,
     replace: '$1u8.ByteLength() + 4096}',
     tests: ['test/batch.test.ts'],
   },

@@ -47,9 +47,9 @@ export function asyncCopySetting(env: NodeJS.ProcessEnv = process.env): number |
   if (raw === undefined) return undefined;
   if (raw.trim().toLowerCase() === 'never') return Number.POSITIVE_INFINITY;
   try {
-    return parseBytes(raw, `--async-copy-bytes (${ASYNC_COPY_ENV})`);
-  } catch (e) {
-    throw new BenchError(`${(e as Error).message}, or never`);
+    return parseBytes(raw);
+  } catch {
+    throw new BenchError(`--async-copy-bytes (${ASYNC_COPY_ENV}) ${JSON.stringify(raw)} must be a positive size (4096, 4KiB, 64MiB, 1GiB) or never`);
   }
 }
 

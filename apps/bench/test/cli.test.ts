@@ -110,6 +110,14 @@ describe('tensorwire-bench CLI', () => {
     }
   });
 
+  it('a bad TENSORWIRE_BENCH_ASYNC_COPY_BYTES set by hand: one-line error naming it, before any worker starts', async () => {
+    const r = await runCli(['run', '--quick'], { env: { TENSORWIRE_BENCH_ASYNC_COPY_BYTES: '0' } });
+    expect(r.code).not.toBe(0);
+    expect(r.stderr).toMatch(/--async-copy-bytes \(TENSORWIRE_BENCH_ASYNC_COPY_BYTES\) "0" must be a positive size/);
+    expect(r.stderr.trim().split('\n')).toHaveLength(1);
+    expect(await noOrphans(r.marker)).toEqual([]);
+  });
+
   it('a bad TENSORWIRE_BENCH_COPY_THREADS set by hand: one-line error naming it, before any worker starts', async () => {
     const r = await runCli(['kv', '--quick'], { env: { TENSORWIRE_BENCH_COPY_THREADS: 'lots' } });
     expect(r.code).not.toBe(0);
@@ -130,7 +138,7 @@ describe('tensorwire-bench CLI', () => {
     ['a pool device that is neither cpu nor cuda:N', ['pool', '--device', 'gpu0'], /--device "gpu0" must be cpu or cuda:N/],
     ['a copy thread count of 0', ['kv', '--copy-threads', '0'], /--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "0" must be an integer from 1 to 16/],
     ['a copy thread count that is not a number', ['run', '--copy-threads', '2x'], /--copy-threads \(TENSORWIRE_BENCH_COPY_THREADS\) "2x" must be an integer from 1 to 16/],
-    ['an async copy size that is not a size', ['kv', '--async-copy-bytes', 'big'], /--async-copy-bytes \(TENSORWIRE_BENCH_ASYNC_COPY_BYTES\) "big" is not a size .*, or never/],
+    ['an async copy size that is not a size', ['kv', '--async-copy-bytes', 'big'], /--async-copy-bytes \(TENSORWIRE_BENCH_ASYNC_COPY_BYTES\) "big" must be a positive size \(4096, 4KiB, 64MiB, 1GiB\) or never/],
   ] as const) {
     it(`${label}: one-line error, non-zero exit, no stack trace, no orphans`, async () => {
       const r = await runCli([...args]);

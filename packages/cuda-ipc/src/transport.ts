@@ -36,9 +36,9 @@
  *   all of a pool slot's ranges in a batch are one seqlock snapshot. Batches with CUDA memory
  *   on either side take a per-range path (one driver copy per range); range grants are served
  *   between host memory only.
- * - One stream. Every host batch is one synchronous native copy on the calling thread, so
- *   several streams would run one after the other anyway (no parallelism), and splitting a
- *   transfer over streams would split one slot's ranges into several snapshots:
+ * - One stream. Every host batch is one native copy (on the calling thread, or off it from
+ *   `asyncCopyBytes` up), and the copy pool already spreads a large one over threads; splitting
+ *   a transfer over streams would split one slot's ranges into several snapshots:
  *   `capabilities.maxStreams` is 1.
  * - Other host memory (a plain Uint8Array) registers as local-only: it can be the local
  *   side of any transfer, and a peer that tries to use it remotely gets a clear
@@ -1577,9 +1577,9 @@ export class CudaIpcTransport implements Transport {
       cpuBypass: true,
       scopedGrants: true,
       rank: 50,
-      // Host batches are one synchronous native copy each: several streams run one after the
-      // other (no parallelism) and would split a transfer's ranges of a slot into several
-      // seqlock snapshots. One stream, one batch per transfer post.
+      // Host batches are one native copy each (the copy pool spreads a large one over threads):
+      // several streams would add calls, not parallelism, and split a transfer's ranges of a slot
+      // into several seqlock snapshots. One stream, one batch per transfer post.
       maxStreams: 1,
       maxChunkBytes: maxChunk,
     });
