@@ -359,31 +359,6 @@ function copyPlanned(plan: BatchPlanHandle, ranges: Float64Array, count: number,
   }
 }
 
-function copyPlannedAsync(
-  plan: BatchPlanHandle,
-  ranges: Float64Array,
-  count: number,
-  stride: number,
-  deadlineMs: number,
-  maxAttempts: number,
-  threads: number,
-  generations: BigUint64Array,
-): Promise<void> {
-  const a = loaded?.addon ?? addon();
-  let p: Promise<void>;
-  try {
-    p = a.copyPlannedAsync(plan, ranges, count, stride, deadlineMs, maxAttempts, threads, generations);
-  } catch (e) {
-    // Refused before anything was queued: thrown here, as copyPlanned throws.
-    throw toTypedError(e);
-  }
-  return p.catch(rethrowTyped);
-}
-
-function rethrowTyped(e: unknown): never {
-  throw toTypedError(e);
-}
-
 function loadState(segment: ArrayBuffer): number {
   const a = loaded?.addon ?? addon();
   try {
@@ -417,7 +392,8 @@ export const native: NativeAddon = {
   copyBatch,
   planBatch: wrap('planBatch'),
   copyPlanned,
-  copyPlannedAsync,
+  // Large batches only: wrap's rest parameters cost nothing against the copy.
+  copyPlannedAsync: wrap('copyPlannedAsync'),
   setState: wrap('setState'),
   loadState,
   importerAdd: wrap('importerAdd'),

@@ -261,8 +261,7 @@ class HostHandle {
   tables: GrantTable[] | undefined;
   dirs: number[] | undefined;
   /** Copies off the JavaScript thread into or out of this buffer that have not ended (asyncCopyBytes). */
-  copying = 0;
-  #idle: (() => void)[] = [];
+  readonly copies = new InFlight();
   constructor(
     readonly buffer: Uint8Array,
     readonly grant: Grant | undefined,
@@ -271,14 +270,21 @@ class HostHandle {
     /** Where the buffer starts in the segment mapping. */
     readonly base: number,
   ) {}
+}
 
-  copyEnded(): void {
-    if (--this.copying === 0) for (const f of this.#idle.splice(0)) f();
+/** Operations in flight, and who waits for there to be none. */
+class InFlight {
+  count = 0;
+  #idle: (() => void)[] = [];
+  enter(): void {
+    this.count++;
   }
-
-  /** Resolves when no copy off the JavaScript thread touches the buffer any more. */
+  leave(): void {
+    if (--this.count === 0) for (const f of this.#idle.splice(0)) f();
+  }
+  /** Resolves once none is in flight. */
   idle(): Promise<void> {
-    return this.copying === 0 ? Promise.resolve() : new Promise<void>((r) => this.#idle.push(r));
+    return this.count === 0 ? Promise.resolve() : new Promise<void>((r) => this.#idle.push(r));
   }
 }
 
@@ -690,8 +696,7 @@ class CudaIpcConnection implements TransportConnection {
   /** The Date.now() millisecond the pid was last probed alive. */
   #probedAt = -1;
   #retiring = false;
-  #inflight = 0;
-  #idle: (() => void)[] = [];
+  readonly #inflight = new InFlight();
   #closed: Promise<void> | undefined;
   #closeError: TensorwireError | undefined;
 
@@ -738,7 +743,7 @@ class CudaIpcConnection implements TransportConnection {
   }
 
   #whenIdle(): Promise<void> {
-    return this.#inflight === 0 ? Promise.resolve() : new Promise<void>((r) => this.#idle.push(r));
+    return this.#inflight.idle();
   }
 
   get isOpen(): boolean {
@@ -801,7 +806,7 @@ class CudaIpcConnection implements TransportConnection {
       void this.close(err);
       throw err;
     }
-    this.#inflight++;
+    this.#inflight.enter();
     try {
       if (options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
       this.#liveLocals(batch);
@@ -824,8 +829,7 @@ class CudaIpcConnection implements TransportConnection {
         throw e;
       }
     } finally {
-      this.#inflight--;
-      if (this.#inflight === 0) for (const f of this.#idle.splice(0)) f();
+      this.#inflight.leave();
     }
   }
 
@@ -1104,9 +1108,9 @@ class CudaIpcConnection implements TransportConnection {
         copying = native.copyPlannedAsync(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads, generations);
         // A revoke of a local waits for the copy (it resolves once nothing touches the memory).
         const locals = batch.locals as readonly HostHandle[];
-        for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copying++;
+        for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copies.enter();
         copying = copying.finally(() => {
-          for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copyEnded();
+          for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copies.leave();
         });
       } else if (planned !== null) native.copyPlanned(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads);
       else {
@@ -1844,7 +1848,7 @@ export class CudaIpcTransport implements Transport {
       // And those revoked before whose peer batches are still inside: they may still copy the memory.
       for (const g of this.#drainingGrants) if (g.handles.includes(handle)) dependents.push(g.revoked as Promise<void>);
       // And copies off the JavaScript thread into or out of it that are still running.
-      dependents.push(handle.idle());
+      dependents.push(handle.copies.idle());
       handle.revokedRanges = Promise.all(dependents).then(() => {
         for (const t of handle.tables ?? []) t.detach(handle.segment as GrantedSegment);
         handle.tables = undefined;

@@ -107,27 +107,33 @@ function holdWrite(): () => void {
 }
 
 /**
- * Starts `copy` (a read of the slot) while the slot's write is held, then `waiter`; while the
- * copy cannot end, `waiter` must not settle; then the write ends and both settle.
+ * Starts `copy` (a read of the slot) while the slot's write is held, then `waiter` if given.
+ * While the write is held the copy cannot end, so neither may settle (the event loop runs
+ * meanwhile); `during` then runs, still held; the write ends and both settle.
  */
-async function waitsForCopy(copy: () => Promise<void>, waiter: () => Promise<void>): Promise<void> {
+async function whileWriteHeld(copy: () => Promise<void>, o: { waiter?: () => Promise<void>; during?: () => void } = {}): Promise<void> {
   const release = holdWrite();
+  let copied = false;
   let waited = false;
   let copying: Promise<void> | undefined;
   let waiting: Promise<void> | undefined;
   try {
-    copying = copy();
-    waiting = waiter().then(() => {
+    copying = copy().finally(() => {
+      copied = true;
+    });
+    waiting = o.waiter?.().then(() => {
       waited = true;
     });
     for (let i = 0; i < 5; i++) await tick();
+    expect(copied).toBe(false);
     expect(waited).toBe(false);
+    o.during?.();
   } finally {
     release();
   }
   await copying;
   await waiting;
-  expect(waited).toBe(true);
+  if (o.waiter) expect(waited).toBe(true);
 }
 
 describe('cuda-ipc asyncCopyBytes', () => {
@@ -142,22 +148,10 @@ describe('cuda-ipc asyncCopyBytes', () => {
     const dst = await local(offThread, SLOT, 0xee);
     const data = slotView.buffer as Uint8Array;
     const next = Uint8Array.from({ length: SLOT }, (_, i) => pattern(i + 7));
-    const release = holdWrite();
-    let settled = false;
-    let read: Promise<void> | undefined;
-    try {
-      read = conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
-        settled = true;
-      });
-      for (let i = 0; i < 5; i++) await tick();
-      // The copy cannot have ended: the write is still in progress.
-      expect(settled).toBe(false);
+    await whileWriteHeld(() => conn.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()), {
       // This thread runs: it finishes the owner's write.
-      data.set(next);
-    } finally {
-      release();
-    }
-    await read;
+      during: () => data.set(next),
+    });
     expect(Buffer.compare(dst.buffer, next)).toBe(0);
     // Put the slot back for the other tests.
     const again = holdWrite();
@@ -245,10 +239,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
   it("the connection's close waits for a copy in flight, which still lands its bytes", async () => {
     const c2 = await offThread.connect((hosts[0] as TransportHost).identity, holder.endpoint(), { ...opts(), streams: 1 });
     const dst = await local(offThread, SLOT, 0xee);
-    await waitsForCopy(
-      () => c2.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()),
-      () => c2.close(),
-    );
+    await whileWriteHeld(() => c2.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()), { waiter: () => c2.close() });
     for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
   });
 
@@ -256,10 +247,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
     const dst = await local(offThread, SLOT, 0xee);
     const batch = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT, request: 2 }]);
     // The memory may be reused the moment revoke() resolves: not while the copy can write it.
-    await waitsForCopy(
-      () => conn.execute(0, batch, opts()),
-      () => offThread.revoke(dst.handle),
-    );
+    await whileWriteHeld(() => conn.execute(0, batch, opts()), { waiter: () => offThread.revoke(dst.handle) });
     for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
     const err = await failure(conn.execute(0, batch, opts()));
     expect(err).toBeInstanceOf(InvalidInputError);
@@ -311,19 +299,7 @@ describe('cuda-ipc asyncCopyBytes', () => {
       expect(dst.buffer[SLOT - 2]).toBe(pattern(SLOT - 2 + 1));
       await below;
       // Exactly the threshold: off the thread (it waits for a write this thread ends).
-      const release = holdWrite();
-      let settled = false;
-      let at: Promise<void> | undefined;
-      try {
-        at = c.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slot, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
-          settled = true;
-        });
-        for (let i = 0; i < 5; i++) await tick();
-        expect(settled).toBe(false);
-      } finally {
-        release();
-      }
-      await at;
+      await whileWriteHeld(() => c.execute(0, createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slot, remoteOffset: 0, length: SLOT }]), opts()));
       for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
     } finally {
       await c.close();
