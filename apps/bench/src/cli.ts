@@ -175,7 +175,7 @@ function withGlobals(cmd: Command): Command {
     .option('--sizes <list>', 'comma-separated block sizes for the sweep, e.g. 4KiB,1MiB,64MiB')
     .option('--total <size>', 'bytes to move per measurement, e.g. 1GiB')
     .option('--compare', 'also run iperf3 and ucx_perftest (UCX over tcp and posix shm) where installed')
-    .option('--copy-threads <n>', "threads that copy a same-host batch of 1 MiB and more (cuda-ipc copyThreads, 1 to 16; default the library's: half the available cores, 2 to 4 where there are 2 or more)")
+    .option('--copy-threads <n>', "threads that copy a same-host batch of 1 MiB and more (cuda-ipc copyThreads, 1 to 16; default the library's: half the available cores, 1 to 4)")
     .option('--async-copy-bytes <size>', "same-host batches of this size and more are copied off the JavaScript thread, or never (cuda-ipc asyncCopyBytes; default the library's: 8 MiB)")
     .option('--no-progress', 'no progress bar');
 }

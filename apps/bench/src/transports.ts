@@ -62,7 +62,7 @@ function sameHostTransport(): CudaIpcTransport {
 
 /** What the notes say about the same-host transport's copy threads and which batches it copies off the JavaScript thread. */
 function copyThreadsNote(t: CudaIpcTransport): string {
-  const how = copyThreadsSetting() === undefined ? "the library default: half this process's available cores, 2 to 4 where there are 2 or more" : `--copy-threads, ${COPY_THREADS_ENV}`;
+  const how = copyThreadsSetting() === undefined ? "the library default: half this process's available cores, 1 to 4" : `--copy-threads, ${COPY_THREADS_ENV}`;
   const off = t.asyncCopyBytes === Number.POSITIVE_INFINITY ? 'every batch on the JavaScript thread' : `batches of ${formatBytes(t.asyncCopyBytes)} and more off the JavaScript thread`;
   const offHow = asyncCopySetting() === undefined ? 'the library default' : `--async-copy-bytes, ${ASYNC_COPY_ENV}`;
   return `cuda-ipc copies host batches of 1 MiB and more on up to ${t.copyThreads} thread(s) (${how}); ${off} (${offHow})`;

@@ -163,8 +163,8 @@ export interface CudaIpcTransportOptions {
   readonly grantTable?: { readonly records?: number; readonly segments?: number; readonly rangeBytes?: number; readonly maxTables?: number };
   /**
    * Threads that copy the bytes of a host batch (default: half of `os.availableParallelism()`,
-   * at least 2 where the process may use 2 cores or more, at most 4; 1 is the calling thread
-   * only). With more, a batch's group of ranges (those of one pool
+   * 1 to 4, since the peer of a same-host transport runs on this host too; 1 is the calling
+   * thread only). With more, a batch's group of ranges (those of one pool
    * slot, or those of its other segments) holding at least 1 MiB is cut by bytes into pieces of
    * at least 256 KiB (64 at most) that the calling thread and up to `copyThreads - 1` threads
    * of a small persistent native pool claim one at a time: the calling thread starts at once
@@ -508,13 +508,10 @@ const SLOT_ATTEMPTS = 10_000;
 const MAX_COPY_THREADS = 16;
 /**
  * {@link CudaIpcTransportOptions.copyThreads} when not given: half the cores this process may
- * use (the peer process of a same-host transport is on this host too), at most 4, and at least
- * 2 where there are 2: a pool thread that cannot get a core costs the batch only its wake-up,
- * since the calling thread never waits for a piece nobody has started.
+ * use (the peer process of a same-host transport is on this host too), 1 to 4.
  */
 function defaultCopyThreads(): number {
-  const cores = availableParallelism();
-  return cores < 2 ? 1 : Math.min(4, Math.max(2, Math.floor(cores / 2)));
+  return Math.max(1, Math.min(4, Math.floor(availableParallelism() / 2)));
 }
 /** {@link CudaIpcTransportOptions.asyncCopyBytes} when not given. */
 const DEFAULT_ASYNC_COPY_BYTES = 8 * 1024 * 1024;

@@ -70,9 +70,9 @@ describe('cuda-ipc copyThreads', () => {
   it('validates the option', () => {
     for (const bad of [0, 17, 1.5, Number.NaN, -1]) expect(() => new CudaIpcTransport({ copyThreads: bad })).toThrow(InvalidInputError);
     expect(new CudaIpcTransport({ copyThreads: 16 }).copyThreads).toBe(16);
-    // The default: half the cores this process may use, at least 2 where there are 2, at most 4.
-    const cores = availableParallelism();
-    expect(new CudaIpcTransport().copyThreads).toBe(cores < 2 ? 1 : Math.min(4, Math.max(2, Math.floor(cores / 2))));
+    // The default: half the cores this process may use, 1 to 4.
+    const half = Math.max(1, Math.min(4, Math.floor(availableParallelism() / 2)));
+    expect(new CudaIpcTransport().copyThreads).toBe(half);
   });
 
   it('random batches of at least 1 MiB land exactly the bytes a single-threaded copy lands, and nothing else (fast-check)', async () => {
