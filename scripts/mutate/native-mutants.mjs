@@ -166,6 +166,22 @@ export const MUTANTS = [
     replace: '} catch (const int&) {\n    // The environment is being torn down',
     tests: ['test/async-copy.test.ts'],
   },
+  {
+    id: 'async-cancel-wait',
+    what: 'a copy off the JavaScript thread no longer sees its cancellation while it waits for a write in progress (an aborted post waits for the writer, up to its deadline)',
+    file: 'shm.cc',
+    find: /if \(deadline_passed\(\)\) return Fail\(f, kTimedOut, "", "deadline passed while the slot was write-locked"\);\n(\s*)if \(Stopped\(in\)\) return FailStopped\(f\);/,
+    replace: 'if (deadline_passed()) return Fail(f, kTimedOut, "", "deadline passed while the slot was write-locked");\n$1(void)0;',
+    tests: ['test/async-copy.test.ts'],
+  },
+  {
+    id: 'async-cancel-queued',
+    what: 'a copy off the JavaScript thread cancelled while queued still runs when a thread takes it (its post has settled already: bytes land after the caller was told they would not)',
+    file: 'addon.cc',
+    find: /!__atomic_compare_exchange_n\(control, &queued, kCopyRunning, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST\)/,
+    replace: '(__atomic_store_n(control, kCopyRunning, __ATOMIC_SEQ_CST), false)',
+    tests: ['test/async-copy.test.ts'],
+  },
 ];
 
 function run(cmd, args, opts = {}) {

@@ -250,7 +250,12 @@ class CopyWorker : public Napi::AsyncWorker {
   Napi::Promise Promise() { return deferred_.Promise(); }
   RunState& state() { return state_; }
   std::vector<uint64_t>& gens() { return gens_; }
-  void Execute() override { ok_ = RunBatch(state_.in, &state_.order, gens_.data(), &failure_); }
+  // The caller's control word (kCopyQueued when queued), referenced until the copy settles.
+  void SetControl(Napi::Int32Array control) {
+    control_ = Napi::Persistent(control.As<Napi::Object>());
+    state_.in.control = control.Data();
+  }
+  void Execute() override;
   void OnOK() override;
   void OnError(const Napi::Error& e) override;
 
@@ -259,6 +264,7 @@ class CopyWorker : public Napi::AsyncWorker {
   Napi::ObjectReference plan_;
   BatchPlan* batch_plan_;  // plan_'s, alive while plan_ is referenced
   Napi::ObjectReference generations_;
+  Napi::ObjectReference control_;
   RunState state_;
   std::vector<uint64_t> gens_;
   BatchFailure failure_;
@@ -275,6 +281,27 @@ Napi::Error BatchError(Napi::Env env, const BatchFailure& f) {
   if (f.grant >= 0) e.Set("grant", Napi::Number::New(env, static_cast<double>(f.grant)));
   if (f.segment >= 0) e.Set("segment", Napi::Number::New(env, static_cast<double>(f.segment)));
   return e;
+}
+
+void CopyWorker::Execute() {
+  // Claim the copy (queued -> copying): one the caller cancelled while it waited for this pool
+  // thread is not started at all (the caller may have settled it already), and one whose
+  // deadline passed while it waited fails before any byte moves.
+  int32_t* control = const_cast<int32_t*>(state_.in.control);
+  int32_t queued = kCopyQueued;
+  if (control != nullptr && !__atomic_compare_exchange_n(control, &queued, kCopyRunning, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+    failure_.code = kAborted;
+    failure_.message = "the copy was cancelled before it started (its transfer was aborted or timed out)";
+    ok_ = false;
+    return;
+  }
+  if (state_.in.deadline_ms > 0 && BatchNowMs() > state_.in.deadline_ms) {
+    failure_.code = kTimedOut;
+    failure_.message = "deadline passed while the copy waited for a thread";
+    ok_ = false;
+    return;
+  }
+  ok_ = RunBatch(state_.in, &state_.order, gens_.data(), &failure_);
 }
 
 void CopyWorker::OnOK() {
@@ -319,7 +346,6 @@ const napi_type_tag kBatchPlanTag = {0x74776261746368ULL, 0x706c616e76310001ULL}
 class Addon : public Napi::Addon<Addon> {
  public:
   Addon(Napi::Env env, Napi::Object exports) : cuda_(std::make_shared<CudaDriver>()) {
-    (void)env;
     DefineAddon(exports, {
         InstanceMethod("layout", &Addon::Layout),
         InstanceMethod("nameProblem", &Addon::NameProblemJs),
@@ -339,6 +365,8 @@ class Addon : public Napi::Addon<Addon> {
         InstanceMethod("planBatch", &Addon::PlanBatchJs),
         InstanceMethod("copyPlanned", &Addon::CopyPlannedJs),
         InstanceMethod("copyPlannedAsync", &Addon::CopyPlannedAsyncJs),
+        // copyPlannedAsync takes a control word (an addon built before it ignores one).
+        InstanceValue("copyControl", Napi::Boolean::New(env, true), napi_enumerable),
         InstanceMethod("setState", &Addon::SetStateJs),
         InstanceMethod("loadState", &Addon::LoadStateJs),
         InstanceMethod("importerAdd", &Addon::ImporterAddJs),
@@ -907,7 +935,7 @@ class Addon : public Napi::Addon<Addon> {
     return env.Undefined();
   }
 
-  // copyPlannedAsync(plan, ranges, count, stride, deadlineMs, maxAttempts, threads, generations):
+  // copyPlannedAsync(plan, ranges, count, stride, deadlineMs, maxAttempts, threads, generations, control?):
   //           copyPlanned with the copy off the JavaScript thread. Everything copyPlanned checks
   //           is checked here, before this returns (a bad range or table throws, nothing is
   //           queued); the bytes then move on a thread of libuv's pool (RunBatch: grants entered
@@ -917,7 +945,13 @@ class Addon : public Napi::Addon<Addon> {
   //           plan) receives the generation each seqlocked segment was copied at, before the
   //           promise settles (the plan's own array is left alone: posts of one plan may overlap).
   //           The pool of copy threads serves one copy at a time: a copy that finds it busy
-  //           copies on its own thread.
+  //           copies on its own thread. `control` (optional Int32Array, element 0 at 0) stops
+  //           the copy: the thread that starts it swaps 0 (queued) for 1 (copying) and does
+  //           nothing if it finds 2 (cancelled); the caller stores 2 to cancel, and a copy
+  //           already running stops at its next range, piece, 4 MiB step or seqlock wait; the
+  //           promise then rejects with TW_ABORTED once nothing touches the memory any more.
+  //           A copy whose deadline passed while it waited for a thread fails with TW_TIMED_OUT
+  //           before any byte moves.
   Napi::Value CopyPlannedAsyncJs(const Napi::CallbackInfo& info) {
     Napi::Env env = info.Env();
     if (info.Length() < 1 || !info[0].IsExternal() || !info[0].As<Napi::External<BatchPlan>>().CheckTypeTag(&kBatchPlanTag)) {
@@ -928,8 +962,15 @@ class Addon : public Napi::Addon<Addon> {
     const CallArgs call = ParseCall(info, "copyPlannedAsync", {2, 3, 4, 5, 6});
     Napi::TypedArray out = TypedArg(info, "copyPlannedAsync", 7, napi_biguint64_array, "BigUint64Array");
     if (out.ElementLength() < plan.segments.size()) ThrowInvalid(env, "copyPlannedAsync: generations must hold one value per segment");
+    Napi::Int32Array control;
+    if (info.Length() > 8 && !info[8].IsUndefined()) {
+      control = TypedArg(info, "copyPlannedAsync", 8, napi_int32_array, "Int32Array").As<Napi::Int32Array>();
+      if (control.ElementLength() < 1 || control.Data() == nullptr) ThrowInvalid(env, "copyPlannedAsync: control must hold one value");
+      if (__atomic_load_n(control.Data(), __ATOMIC_SEQ_CST) != kCopyQueued) ThrowInvalid(env, "copyPlannedAsync: control must start at 0 (queued)");
+    }
     std::unique_ptr<CopyWorker> w(new CopyWorker(env, info[0].As<Napi::Object>(), &plan, out));
     PreparePlan(env, plan, ranges, call, "copyPlannedAsync", w->state());
+    if (!control.IsEmpty()) w->SetControl(control);
     w->gens().assign(plan.segments.size(), 0);
     Napi::Promise p = w->Promise();
     w.release()->Queue();

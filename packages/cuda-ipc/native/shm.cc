@@ -24,6 +24,7 @@ const char* const kRemoteRejected = "TW_REMOTE_REJECTED";
 const char* const kTimedOut = "TW_TIMED_OUT";
 const char* const kBackendUnavailable = "TW_BACKEND_UNAVAILABLE";
 const char* const kClosed = "TW_CLOSED";
+const char* const kAborted = "TW_ABORTED";
 
 Status Status::Errno(const char* c, const std::string& what, const char* call, int e) {
   Status s;
@@ -711,6 +712,24 @@ inline void CopyPart(const BatchInput& in, const BatchRange& r, uint64_t from, u
 }
 inline void CopyRange(const BatchInput& in, const BatchRange& r) { CopyPart(in, r, 0, r.length); }
 
+// The caller cancelled the batch (BatchInput::control).
+inline bool Stopped(const BatchInput& in) { return in.control != nullptr && __atomic_load_n(in.control, __ATOMIC_RELAXED) == kCopyCancelled; }
+
+// Copy one range of a batch that can be stopped: false, with the range partly copied or not at
+// all, once the caller cancelled it (checked first, then between steps of a large range).
+bool CopyRangeUnlessStopped(const BatchInput& in, const BatchRange& r) {
+  if (Stopped(in)) return false;
+  if (in.control == nullptr || r.length <= kCancelStepBytes) {
+    CopyRange(in, r);
+    return true;
+  }
+  for (uint64_t from = 0; from < r.length; from += kCancelStepBytes) {
+    if (from > 0 && Stopped(in)) return false;
+    CopyPart(in, r, from, r.length - from > kCancelStepBytes ? from + kCancelStepBytes : r.length);
+  }
+  return true;
+}
+
 // A group of a batch's ranges: in.ranges[idx[k]] for k < n, or in.ranges[k] when idx is null.
 struct Group {
   const BatchInput* in;
@@ -736,10 +755,16 @@ struct ParallelCopy {
   const uint64_t* gen = nullptr;
   uint64_t g1 = 0;
   std::atomic<bool> same{true};
+  // A piece found the batch cancelled and copied nothing.
+  std::atomic<bool> stopped{false};
 };
 
 void CopyPiece(uint32_t t, void* ctx) {
   ParallelCopy& pc = *static_cast<ParallelCopy*>(ctx);
+  if (Stopped(*pc.group.in)) {
+    pc.stopped.store(true, std::memory_order_relaxed);
+    return;
+  }
   const Cut a = pc.cuts[t];
   const Cut b = pc.cuts[t + 1];
   for (size_t k = a.k; k < pc.group.n && k <= b.k; k++) {
@@ -764,10 +789,12 @@ uint32_t PiecesFor(const BatchInput& in, uint64_t total) {
 }
 
 // Copy a group in `pieces` pieces (>= 2) on the batch's threads; with `gen`, returns whether
-// every piece saw the generation g1 (true without one).
-bool CopyGroupParallel(const Group& g, uint64_t total, uint32_t pieces, const uint64_t* gen, uint64_t g1) {
-  ParallelCopy pc{g, {}, gen, g1, {}};
+// every piece saw the generation g1 (true without one). `*stopped`: a piece found the batch
+// cancelled (every piece has ended either way).
+bool CopyGroupParallel(const Group& g, uint64_t total, uint32_t pieces, const uint64_t* gen, uint64_t g1, bool* stopped) {
+  ParallelCopy pc{g, {}, gen, g1, {}, {}};
   pc.same.store(true, std::memory_order_relaxed);
+  pc.stopped.store(false, std::memory_order_relaxed);
   // Cut points by bytes, in one pass over the group.
   pc.cuts[0] = Cut{0, 0};
   uint64_t acc = 0;
@@ -779,21 +806,29 @@ bool CopyGroupParallel(const Group& g, uint64_t total, uint32_t pieces, const ui
   }
   pc.cuts[pieces] = Cut{g.n, 0};
   g.in->pool->Run(pieces, g.in->threads, CopyPiece, &pc);
+  *stopped = pc.stopped.load(std::memory_order_relaxed);
   return pc.same.load(std::memory_order_relaxed);
 }
 
-// Copy a group (no seqlock): in pieces over the batch's threads when it is large.
-void CopyGroup(const Group& g) {
+bool FailStopped(BatchFailure* f) { return Fail(f, kAborted, "", "the copy was cancelled (its transfer was aborted or timed out)"); }
+
+// Copy a group (no seqlock): in pieces over the batch's threads when it is large. False (f
+// set) when the batch was cancelled before or during it.
+bool CopyGroup(const Group& g, BatchFailure* f) {
   if (g.in->threads > 1) {
     uint64_t total = 0;
     for (size_t k = 0; k < g.n; k++) total += g.at(k).length;
     uint32_t pieces = PiecesFor(*g.in, total);
     if (pieces > 1) {
-      CopyGroupParallel(g, total, pieces, nullptr, 0);
-      return;
+      bool stopped = false;
+      CopyGroupParallel(g, total, pieces, nullptr, 0, &stopped);
+      return stopped ? FailStopped(f) : true;
     }
   }
-  for (size_t k = 0; k < g.n; k++) CopyRange(*g.in, g.at(k));
+  for (size_t k = 0; k < g.n; k++) {
+    if (!CopyRangeUnlessStopped(*g.in, g.at(k))) return FailStopped(f);
+  }
+  return true;
 }
 
 // The seqlock reader protocol (invariant 11) over every range of one segment at once: acquire
@@ -838,6 +873,7 @@ bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_
           return Fail(f, kTimedOut, "", "segment stayed write-locked (a writer is busy or died mid-write)");
         }
         if (deadline_passed()) return Fail(f, kTimedOut, "", "deadline passed while the slot was write-locked");
+        if (Stopped(in)) return FailStopped(f);
       }
       CpuRelax(stuck_polls);
       continue;
@@ -845,9 +881,13 @@ bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_
     bool same;
     if (pieces > 1) {
       // Every piece re-checked the generation itself (CopyPiece); the pieces have all ended.
-      same = CopyGroupParallel(group, total, pieces, gen, g1);
+      bool stopped = false;
+      same = CopyGroupParallel(group, total, pieces, gen, g1, &stopped);
+      if (stopped) return FailStopped(f);
     } else {
-      for (size_t k = 0; k < n; k++) CopyRange(in, group.at(k));
+      for (size_t k = 0; k < n; k++) {
+        if (!CopyRangeUnlessStopped(in, group.at(k))) return FailStopped(f);
+      }
       // Acquire fence: the copies above complete before the re-check below.
       __atomic_thread_fence(__ATOMIC_ACQUIRE);
       same = __atomic_load_n(gen, __ATOMIC_RELAXED) == g1;
@@ -863,6 +903,7 @@ bool SeqCopySegment(const BatchInput& in, uint32_t s, const uint32_t* idx, size_
       return true;
     }
     if (deadline_passed()) return Fail(f, kTimedOut, "", "deadline passed while the slot was being rewritten");
+    if (Stopped(in)) return FailStopped(f);
     if (++attempt >= in.max_attempts || MonotonicNs() - started > kReadDeadlineNs) {
       return Fail(f, kRemoteRejected, "slot-rewritten",
                   "the pool slot was rewritten during every one of " + std::to_string(attempt) +
@@ -877,10 +918,7 @@ bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gener
     generations[s] = 0;
     any_seq = any_seq || in.segments[s].seqlocked;
   }
-  if (in.write || !any_seq) {
-    CopyGroup(Group{&in, nullptr, in.count});
-    return true;
-  }
+  if (in.write || !any_seq) return CopyGroup(Group{&in, nullptr, in.count}, f);
   // Group the ranges by segment (counting sort, stable): order[0..n_segments] are the start
   // offsets, then the range indices segment by segment.
   const size_t ns = in.n_segments;
@@ -898,7 +936,7 @@ bool CopyAll(const BatchInput& in, std::vector<uint32_t>* order, uint64_t* gener
     size_t n = start[s + 1] - start[s];
     if (n == 0) continue;
     if (!in.segments[s].seqlocked) {
-      CopyGroup(Group{&in, first, n});
+      if (!CopyGroup(Group{&in, first, n}, f)) return false;
     } else if (!SeqCopySegment(in, static_cast<uint32_t>(s), first, n, &generations[s], f)) {
       f->segment = static_cast<int64_t>(s);
       return false;
@@ -972,6 +1010,8 @@ bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchInpu
 }
 
 double BatchLoadOnce(const double* p) { return LoadOnce(p); }
+
+double BatchNowMs() { return RealtimeMs(); }
 
 bool CheckBatchTables(const BatchInput& in, BatchFailure* f) {
   for (size_t s = 0; s < in.n_segments; s++) {

@@ -19,6 +19,7 @@ extern const char* const kRemoteRejected;
 extern const char* const kTimedOut;
 extern const char* const kBackendUnavailable;
 extern const char* const kClosed;
+extern const char* const kAborted;
 
 struct Status {
   const char* code = nullptr;  // nullptr = ok
@@ -214,7 +215,19 @@ struct BatchInput {
   // copy counts only when all of them saw it unchanged.
   uint32_t threads = 1;
   CopyPool* pool = nullptr;
+  // A copy off the JavaScript thread (copyPlannedAsync): the word its caller sets to
+  // kCopyCancelled to stop it (null: none). Read before every range (a large range between
+  // steps of kCancelStepBytes), at the start of every piece and in the seqlock waits; a
+  // stopped batch fails with kAborted after every piece has ended.
+  const int32_t* control = nullptr;
 };
+// The states of a copy's control word (BatchInput::control): queued (set by the caller), copying
+// (the pool thread that starts it, by compare-and-swap from queued), cancelled (the caller).
+constexpr int32_t kCopyQueued = 0;
+constexpr int32_t kCopyRunning = 1;
+constexpr int32_t kCopyCancelled = 2;
+// A range at least this large is copied in steps of it when the batch can be stopped.
+constexpr uint64_t kCancelStepBytes = 4ull << 20;
 // Smallest group of bytes copied by more than one thread, smallest piece, most pieces per group.
 constexpr uint64_t kParallelMinBytes = 1ull << 20;
 constexpr uint64_t kParallelPieceBytes = 256ull << 10;
@@ -247,6 +260,8 @@ bool DecodeBatchRange(const double* at, size_t stride, size_t i, const BatchInpu
 bool CheckBatchTables(const BatchInput& in, BatchFailure* f);
 // One read of the double at `p` (which another thread may be writing), for the tables.
 double BatchLoadOnce(const double* p);
+// Date.now() in the addon (CLOCK_REALTIME milliseconds): what BatchInput::deadline_ms is against.
+double BatchNowMs();
 // Run a validated batch: enter every grant once (in-flight counter++, state, generation and
 // token checked, seq_cst; on a failure the grants entered so far are left and nothing is
 // copied), copy every range, leave every grant. A read of a seqlocked segment copies all of

@@ -190,7 +190,12 @@ export interface NativeAddon {
    * the call, and nothing is queued); the promise settles when the copy has ended, with the error copyPlanned
    * would have thrown. `generations` (one value per segment of the plan) receives the
    * generation each seqlocked segment was copied at, before the promise settles. The plan
-   * and the buffers it references stay alive until then.
+   * and the buffers it references stay alive until then. `control` (one element, at
+   * {@link CopyControl.Queued}; never detached) stops the copy: the pool thread that starts it
+   * swaps Queued for Running and leaves it untouched if it finds Cancelled; the caller stores
+   * Cancelled to stop it, and a copy already running stops at its next range, piece, 4 MiB
+   * step or seqlock wait, then rejects with AbortedError. Addons that take it have
+   * `copyControl: true`; an older one ignores it.
    */
   copyPlannedAsync(
     plan: BatchPlanHandle,
@@ -201,6 +206,7 @@ export interface NativeAddon {
     maxAttempts: number,
     threads: number,
     generations: BigUint64Array,
+    control?: Int32Array,
   ): Promise<void>;
   setState(segment: ArrayBuffer, state: number): void;
   loadState(segment: ArrayBuffer): number;
@@ -366,6 +372,14 @@ function loadState(segment: ArrayBuffer): number {
   } catch (e) {
     throw toTypedError(e);
   }
+}
+
+/** The states of {@link NativeAddon.copyPlannedAsync}'s control word. */
+export const CopyControl = { Queued: 0, Running: 1, Cancelled: 2 } as const;
+
+/** Whether the loaded addon exports the flag `name` as true (one built before it was added does not). Loads it. */
+export function nativeFlag(name: string): boolean {
+  return (addon() as unknown as Record<string, unknown>)[name] === true;
 }
 
 /** Whether the loaded addon has `name` (an addon built before an export was added lacks it). Loads it. */

@@ -49,6 +49,7 @@ import { chmodSync, unlinkSync } from 'node:fs';
 import { createConnection, createServer, type Server, type Socket } from 'node:net';
 import { availableParallelism } from 'node:os';
 import {
+  AbortedError,
   BackendUnavailableError,
   engineCheckedBlocks,
   ByteReader,
@@ -86,7 +87,7 @@ import {
   errorFromCode,
   isToken,
 } from '@tensorwire/core';
-import { GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native, nativeHas, type BatchPlanHandle } from './native.js';
+import { CopyControl, GrantResult, SegmentKind, SegmentState, capabilities as nativeCapabilities, native, nativeFlag, nativeHas, type BatchPlanHandle } from './native.js';
 import {
   GrantTable,
   RANGE_BYTES,
@@ -184,8 +185,11 @@ export interface CudaIpcTransportOptions {
    * (64 MiB for 7 to 11 ms here): off the thread, other calls, timers and sockets go on
    * meanwhile, and two concurrent posts copy on two cores. Smaller batches are copied on the
    * calling thread, where the hand-off would cost more than the copy, and so are batches with a
-   * local buffer over a resizable ArrayBuffer. Revoking a local registration waits for the
-   * copies into or out of it. A registered buffer must not be transferred (detached) while a
+   * local buffer over a resizable ArrayBuffer. The post's signal stops a copy: one still queued
+   * for a pool thread settles at once and never runs, a running one stops at its next range,
+   * piece, 4 MiB step or seqlock wait and settles once nothing touches the memory. Revoking a
+   * local registration waits for the copies into or out of it. A registered buffer must not be
+   * transferred (detached) while a
    * transfer into or out of it is in flight: the copy could write memory the buffer no longer
    * owns (one that did is reported as InvalidInputError when it ends).
    */
@@ -488,6 +492,35 @@ const LAYOUT_PROBLEM =
 
 /** Whether the loaded addon keeps batch tables natively (planBatch; an older build does not), asked once, on the first host copy. */
 let plannedCopies: boolean | undefined;
+/**
+ * A copy off the JavaScript thread that `signal` stops through its control word: aborted while
+ * the copy still waits for a pool thread, it will never start, so the post settles at once
+ * (with the signal's error); aborted while it runs, the copy stops at its next check and its
+ * own rejection (once nothing touches the memory) settles the post. The listener is removed
+ * when the post settles (the engine's signals outlive a post).
+ */
+function stoppable(copy: Promise<void>, control: Int32Array, signal: AbortSignal): Promise<void> {
+  return new Promise<void>((resolve, reject) => {
+    const onAbort = (): void => {
+      if (Atomics.exchange(control, 0, CopyControl.Cancelled) === CopyControl.Queued) reject(errorFromSignal(signal, 'cuda-ipc transfer'));
+    };
+    signal.addEventListener('abort', onAbort, { once: true });
+    copy.then(
+      () => {
+        signal.removeEventListener('abort', onAbort);
+        resolve();
+      },
+      (e: unknown) => {
+        signal.removeEventListener('abort', onAbort);
+        reject(e);
+      },
+    );
+  });
+}
+
+/** Whether the loaded addon's copies off the JavaScript thread take a control word (an older build's do not). */
+let cancellableCopies: boolean | undefined;
+
 /** Whether the loaded addon copies off the JavaScript thread (copyPlannedAsync; an older build may not). */
 let asyncCopies: boolean | undefined;
 
@@ -1105,7 +1138,11 @@ class CudaIpcConnection implements TransportConnection {
       if (planned !== null && batch.bytes >= this.#owner.asyncCopyBytes && (asyncCopies ??= nativeHas('copyPlannedAsync')) && fixedLength(plan.locals)) {
         // Posts of one plan may overlap now: each has its own generations.
         generations = new BigUint64Array(plan.generations.length);
-        copying = native.copyPlannedAsync(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads, generations);
+        // The caller's signal stops the copy (a queued one at once, a running one at its next check).
+        cancellableCopies ??= nativeFlag('copyControl');
+        const control = cancellableCopies ? new Int32Array(1) : undefined;
+        copying = native.copyPlannedAsync(planned, batch.ranges, batch.count, RANGE_STRIDE, options.deadline, SLOT_ATTEMPTS, this.#owner.copyThreads, generations, control);
+        if (control) copying = stoppable(copying, control, options.signal);
         // A revoke of a local waits for the copy (it resolves once nothing touches the memory).
         const locals = batch.locals as readonly HostHandle[];
         for (let i = 0; i < locals.length; i++) (locals[i] as HostHandle).copies.enter();
@@ -1140,6 +1177,8 @@ class CudaIpcConnection implements TransportConnection {
       return copying.then(
         () => this.#copiedGenerations(batch, plan, options, generations),
         (e: unknown) => {
+          // Stopped by the signal: its reason (TimedOutError for the engine's deadline).
+          if (e instanceof AbortedError && options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
           throw this.#batchError(e, batch, plan);
         },
       );

@@ -15,8 +15,10 @@ import { once } from 'node:events';
 import { Worker } from 'node:worker_threads';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import {
+  AbortedError,
   InvalidInputError,
   RemoteRejectedError,
+  TimedOutError,
   type TensorwireError,
   createTransferBatch,
   defaultHostId,
@@ -27,6 +29,7 @@ import {
   type TransportHost,
 } from '@tensorwire/core';
 import { CudaIpcTransport, TensorPool, allocateSharedMemory, native, releaseSharedMemory, type PoolView } from '../src/index.js';
+import { CopyControl } from '../src/native.js';
 import { fixture, uniqueOwner } from './helpers.js';
 import { failure } from './pool-fixtures.js';
 
@@ -134,6 +137,18 @@ async function whileWriteHeld(copy: () => Promise<void>, o: { waiter?: () => Pro
   await copying;
   await waiting;
   if (o.waiter) expect(waited).toBe(true);
+}
+
+/** The control word of the `k`th copyPlannedAsync call `spy` saw. */
+function controlOf(spy: { mock: { calls: unknown[][] } }, k: number): Int32Array {
+  const control = spy.mock.calls[k]?.[8];
+  if (!(control instanceof Int32Array)) throw new Error(`copyPlannedAsync call ${k} had no control word`);
+  return control;
+}
+
+/** Resolves once a thread of the pool has started the copy of `control`. */
+async function started(control: Int32Array): Promise<void> {
+  while (Atomics.load(control, 0) !== CopyControl.Running) await tick();
 }
 
 describe('cuda-ipc asyncCopyBytes', () => {
@@ -330,6 +345,77 @@ describe('cuda-ipc asyncCopyBytes', () => {
     } finally {
       gen[0] = before + 4n;
     }
+  });
+
+  it("an abort stops a copy that waits for a write in progress: the post rejects with the signal's error while the write is still held, and no byte moved", async () => {
+    const dst = await local(offThread, SLOT, 0xee);
+    const batch = createTransferBatch('read', [{ local: dst.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]);
+    for (const reason of [undefined, new TimedOutError('the caller gave up')]) {
+      const ac = new AbortController();
+      const release = holdWrite();
+      const spy = vi.spyOn(native, 'copyPlannedAsync');
+      try {
+        let settled = false;
+        // A deadline far enough out that only the abort can end the wait before it.
+        const read = conn.execute(0, batch, { signal: ac.signal, deadline: Date.now() + 10_000 }).finally(() => {
+          settled = true;
+        });
+        // A pool thread has started the copy (it waits for the write) before the abort.
+        await started(controlOf(spy, 0));
+        for (let i = 0; i < 5; i++) await tick();
+        expect(settled).toBe(false);
+        ac.abort(reason);
+        const err = await failure(read);
+        // Still held: the copy stopped waiting for it.
+        if (reason) expect(err).toBe(reason);
+        else expect(err).toBeInstanceOf(AbortedError);
+        expect(dst.buffer.every((x) => x === 0xee)).toBe(true);
+      } finally {
+        spy.mockRestore();
+        release();
+      }
+    }
+    // The connection goes on.
+    await conn.execute(0, batch, opts());
+    for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+  });
+
+  it('an abort of a copy still queued for a thread of the pool settles its post at once, and the copy never runs', async () => {
+    // Every thread of libuv's pool waits in a copy of the held slot; one more copy queues behind them.
+    const threads = Number(process.env['UV_THREADPOOL_SIZE']) || 4;
+    const blockers = await Promise.all(Array.from({ length: threads }, () => local(offThread, SLOT, 0xee)));
+    const target = await local(offThread, 2 ** 20, 0xee);
+    const release = holdWrite();
+    const settled: boolean[] = [];
+    let waiting: Promise<void>[] = [];
+    const spy = vi.spyOn(native, 'copyPlannedAsync');
+    try {
+      waiting = blockers.map((d, k) =>
+        conn.execute(0, createTransferBatch('read', [{ local: d.handle, localOffset: 0, remote: slotRemote, remoteOffset: 0, length: SLOT }]), opts()).finally(() => {
+          settled[k] = true;
+        }),
+      );
+      const ac = new AbortController();
+      const queued = conn.execute(0, createTransferBatch('read', [{ local: target.handle, localOffset: 0, remote: regionRemote, remoteOffset: 0, length: 2 ** 20 }]), { signal: ac.signal, deadline: Date.now() + 10_000 });
+      // Every blocker holds a pool thread, so this one is still queued when it is aborted.
+      for (let k = 0; k < threads; k++) await started(controlOf(spy, k));
+      expect(Atomics.load(controlOf(spy, threads), 0)).toBe(CopyControl.Queued);
+      ac.abort();
+      expect(await failure(queued)).toBeInstanceOf(AbortedError);
+      // Settled while every copy ahead of it still waits for the write.
+      expect(settled.filter(Boolean)).toEqual([]);
+    } finally {
+      spy.mockRestore();
+      release();
+    }
+    await Promise.all(waiting);
+    for (const d of blockers) for (let i = 0; i < SLOT; i++) if (d.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
+    // One more copy, queued behind the cancelled one: once it has run, the cancelled one has
+    // been taken off the queue too, and it copied nothing.
+    const after = await local(offThread, 2 ** 20, 0xee);
+    await conn.execute(0, createTransferBatch('read', [{ local: after.handle, localOffset: 0, remote: regionRemote, remoteOffset: 0, length: 2 ** 20 }]), opts());
+    expect(after.buffer[0]).toBe(pattern(1));
+    expect(target.buffer.every((x) => x === 0xee)).toBe(true);
   });
 
   it.each([
