@@ -182,6 +182,14 @@ export const MUTANTS = [
     replace: '(__atomic_store_n(control, kCopyRunning, __ATOMIC_SEQ_CST), false)',
     tests: ['test/async-copy.test.ts'],
   },
+  {
+    id: 'async-queued-deadline',
+    what: 'a copy off the JavaScript thread whose deadline passed while it waited for a pool thread still copies (bytes land after the caller gave up)',
+    file: 'addon.cc',
+    find: /if \(state_\.in\.deadline_ms > 0 && BatchNowMs\(\) > state_\.in\.deadline_ms\) \{/,
+    replace: 'if (false) {',
+    tests: ['test/async-copy.test.ts'],
+  },
 ];
 
 function run(cmd, args, opts = {}) {

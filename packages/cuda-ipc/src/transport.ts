@@ -186,8 +186,9 @@ export interface CudaIpcTransportOptions {
    * meanwhile, and two concurrent posts copy on two cores. Smaller batches are copied on the
    * calling thread, where the hand-off would cost more than the copy, and so are batches with a
    * local buffer over a resizable ArrayBuffer. The post's signal stops a copy: one still queued
-   * for a pool thread settles at once and never runs, a running one stops at its next range,
-   * piece, 4 MiB step or seqlock wait and settles once nothing touches the memory. Revoking a
+   * for a pool thread settles at once and never runs, a running one stops at its next check (a
+   * range, a 4 MiB step of a larger one, a piece of the copy pool, a seqlock wait) and settles
+   * once nothing touches the memory. Revoking a
    * local registration waits for the copies into or out of it. A registered buffer must not be
    * transferred (detached) while a
    * transfer into or out of it is in flight: the copy could write memory the buffer no longer
@@ -1178,7 +1179,7 @@ class CudaIpcConnection implements TransportConnection {
         () => this.#copiedGenerations(batch, plan, options, generations),
         (e: unknown) => {
           // Stopped by the signal: its reason (TimedOutError for the engine's deadline).
-          if (e instanceof AbortedError && options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
+          if (options.signal.aborted && (e instanceof AbortedError || e === options.signal.reason)) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
           throw this.#batchError(e, batch, plan);
         },
       );

@@ -16,6 +16,7 @@ import { Worker } from 'node:worker_threads';
 import { afterAll, beforeAll, describe, expect, it, vi } from 'vitest';
 import {
   AbortedError,
+  ClosedError,
   InvalidInputError,
   RemoteRejectedError,
   TimedOutError,
@@ -137,6 +138,15 @@ async function whileWriteHeld(copy: () => Promise<void>, o: { waiter?: () => Pro
   await copying;
   await waiting;
   if (o.waiter) expect(waited).toBe(true);
+}
+
+/** `f` on its first call only. */
+function onlyOnce(f: () => void): () => void {
+  let done = false;
+  return () => {
+    if (!done) f();
+    done = true;
+  };
 }
 
 /** The control word of the `k`th copyPlannedAsync call `spy` saw. */
@@ -380,12 +390,13 @@ describe('cuda-ipc asyncCopyBytes', () => {
     for (let i = 0; i < SLOT; i++) if (dst.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
   });
 
-  it('an abort of a copy still queued for a thread of the pool settles its post at once, and the copy never runs', async () => {
+  it("an abort of a copy still queued for a thread of the pool settles its post at once with the signal's error, and the copy never runs; a queued copy past its deadline fails before any byte moves", async () => {
     // Every thread of libuv's pool waits in a copy of the held slot; one more copy queues behind them.
     const threads = Number(process.env['UV_THREADPOOL_SIZE']) || 4;
     const blockers = await Promise.all(Array.from({ length: threads }, () => local(offThread, SLOT, 0xee)));
     const target = await local(offThread, 2 ** 20, 0xee);
-    const release = holdWrite();
+    const lateTarget = await local(offThread, 2 ** 20, 0xee);
+    const release = onlyOnce(holdWrite());
     const settled: boolean[] = [];
     let waiting: Promise<void>[] = [];
     const spy = vi.spyOn(native, 'copyPlannedAsync');
@@ -396,26 +407,38 @@ describe('cuda-ipc asyncCopyBytes', () => {
         }),
       );
       const ac = new AbortController();
-      const queued = conn.execute(0, createTransferBatch('read', [{ local: target.handle, localOffset: 0, remote: regionRemote, remoteOffset: 0, length: 2 ** 20 }]), { signal: ac.signal, deadline: Date.now() + 10_000 });
-      // Every blocker holds a pool thread, so this one is still queued when it is aborted.
+      const reason = new ClosedError('the caller closed');
+      const read = (d: { handle: object }, o: { signal: AbortSignal; deadline: number }): Promise<void> =>
+        conn.execute(0, createTransferBatch('read', [{ local: d.handle, localOffset: 0, remote: regionRemote, remoteOffset: 0, length: 2 ** 20 }]), o);
+      const queued = read(target, { signal: ac.signal, deadline: Date.now() + 10_000 });
+      // The addon's own promise for it: settled by the pool thread that takes it off the queue.
+      const native0 = failure(spy.mock.results[threads]?.value as Promise<void>);
+      // And one more behind it whose deadline passes while it waits for a thread.
+      const deadline = Date.now() + 50;
+      const late = failure(read(lateTarget, { signal, deadline }));
+      // Every blocker holds a pool thread, so these two are still queued.
       for (let k = 0; k < threads; k++) await started(controlOf(spy, k));
       expect(Atomics.load(controlOf(spy, threads), 0)).toBe(CopyControl.Queued);
-      ac.abort();
-      expect(await failure(queued)).toBeInstanceOf(AbortedError);
+      ac.abort(reason);
+      expect(await failure(queued)).toBe(reason);
       // Settled while every copy ahead of it still waits for the write.
       expect(settled.filter(Boolean)).toEqual([]);
+      while (Date.now() <= deadline) await tick();
+      release();
+      await Promise.all(waiting);
+      // The thread that took the cancelled copy did not run it...
+      expect(await native0).toBeInstanceOf(AbortedError);
+      // ...and the one past its deadline failed before any byte moved.
+      const err = await late;
+      expect(err).toBeInstanceOf(TimedOutError);
+      expect(err.message).toMatch(/waited for a thread/);
     } finally {
       spy.mockRestore();
       release();
     }
-    await Promise.all(waiting);
     for (const d of blockers) for (let i = 0; i < SLOT; i++) if (d.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
-    // One more copy, queued behind the cancelled one: once it has run, the cancelled one has
-    // been taken off the queue too, and it copied nothing.
-    const after = await local(offThread, 2 ** 20, 0xee);
-    await conn.execute(0, createTransferBatch('read', [{ local: after.handle, localOffset: 0, remote: regionRemote, remoteOffset: 0, length: 2 ** 20 }]), opts());
-    expect(after.buffer[0]).toBe(pattern(1));
     expect(target.buffer.every((x) => x === 0xee)).toBe(true);
+    expect(lateTarget.buffer.every((x) => x === 0xee)).toBe(true);
   });
 
   it.each([
