@@ -20,6 +20,7 @@ import {
   InvalidInputError,
   RemoteRejectedError,
   TimedOutError,
+  TransferEngine,
   type TensorwireError,
   createTransferBatch,
   defaultHostId,
@@ -439,6 +440,38 @@ describe('cuda-ipc asyncCopyBytes', () => {
     for (const d of blockers) for (let i = 0; i < SLOT; i++) if (d.buffer[i] !== pattern(i)) expect.fail(`byte ${i}`);
     expect(target.buffer.every((x) => x === 0xee)).toBe(true);
     expect(lateTarget.buffer.every((x) => x === 0xee)).toBe(true);
+  });
+
+  it("engine.close() stops a read whose copy waits off the thread: the read fails with ClosedError and close() resolves while the write is still held", async () => {
+    const hb = new TransferEngine({ nodeId: `ech${process.pid}`, transports: [new CudaIpcTransport()], logger: silentLogger });
+    const ha = new TransferEngine({ nodeId: `eca${process.pid}`, transports: [new CudaIpcTransport({ asyncCopyBytes: 1 })], logger: silentLogger });
+    const spy = vi.spyOn(native, 'copyPlannedAsync');
+    let release: (() => void) | undefined;
+    try {
+      await hb.start();
+      await ha.start();
+      const rb = await hb.register({ kind: 'host', buffer: slotView.buffer as Uint8Array });
+      const dst = new Uint8Array(SLOT).fill(0xee);
+      const ra = await ha.register({ kind: 'host', buffer: dst });
+      const requests = [{ local: ra, remote: rb.descriptor, remoteOffset: 0, length: SLOT }];
+      await ha.read(hb.endpoint(), requests);
+      expect(dst[SLOT - 1]).toBe(pattern(SLOT - 1));
+      dst.fill(0xee);
+      release = onlyOnce(holdWrite());
+      const read = failure(ha.read(hb.endpoint(), requests, { timeoutMs: 10_000 }));
+      const copy = failure(spy.mock.results[1]?.value as Promise<void>);
+      await started(controlOf(spy, 1));
+      await ha.close();
+      expect(await read).toBeInstanceOf(ClosedError);
+      // Stopped by the close, not by its deadline.
+      expect(await copy).toBeInstanceOf(AbortedError);
+      expect(dst.every((x) => x === 0xee)).toBe(true);
+    } finally {
+      spy.mockRestore();
+      release?.();
+      await ha.close();
+      await hb.close();
+    }
   });
 
   it.each([
