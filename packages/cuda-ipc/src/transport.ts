@@ -188,11 +188,10 @@ export interface CudaIpcTransportOptions {
    * local buffer over a resizable ArrayBuffer. The post's signal stops a copy: one still queued
    * for a pool thread settles at once and never runs, a running one stops at its next check (a
    * range, a 4 MiB step of a larger one, a piece of the copy pool, a seqlock wait) and settles
-   * once nothing touches the memory. Revoking a
-   * local registration waits for the copies into or out of it. A registered buffer must not be
-   * transferred (detached) while a
-   * transfer into or out of it is in flight: the copy could write memory the buffer no longer
-   * owns (one that did is reported as InvalidInputError when it ends).
+   * once nothing touches the memory. Revoking a local registration waits for the copies into
+   * or out of it. A registered buffer must not be transferred (detached) while a transfer into
+   * or out of it is in flight: the copy could write memory the buffer no longer owns (one that
+   * did is reported as InvalidInputError when it ends).
    */
   readonly asyncCopyBytes?: number;
   /**
@@ -493,6 +492,7 @@ const LAYOUT_PROBLEM =
 
 /** Whether the loaded addon keeps batch tables natively (planBatch; an older build does not), asked once, on the first host copy. */
 let plannedCopies: boolean | undefined;
+
 /**
  * A copy off the JavaScript thread that `signal` stops through its control word: aborted while
  * the copy still waits for a pool thread, it will never start, so the post settles at once
