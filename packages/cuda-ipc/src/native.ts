@@ -191,10 +191,11 @@ export interface NativeAddon {
    * would have thrown. `generations` (one value per segment of the plan) receives the
    * generation each seqlocked segment was copied at, before the promise settles. The plan
    * and the buffers it references stay alive until then. `control` (one element, at
-   * {@link CopyControl.Queued}; never detached) stops the copy: the pool thread that starts it
-   * swaps Queued for Running and leaves it untouched if it finds Cancelled; the caller stores
-   * Cancelled to stop it, and a copy already running stops at its next range, piece, 4 MiB
-   * step or seqlock wait, then rejects with AbortedError. Addons that take it have
+   * `CopyControl.Queued`; never detached) stops the copy: the pool thread that starts it swaps
+   * Queued for Running and leaves it untouched if it finds Cancelled; the caller stores
+   * Cancelled to stop it, and a copy already running stops at its next check (a range, a 4 MiB
+   * step of a larger one on one thread, a piece of the copy pool, a seqlock wait), then rejects
+   * with AbortedError. Addons that take it have
    * `copyControl: true`; an older one ignores it.
    */
   copyPlannedAsync(
