@@ -178,8 +178,8 @@ export const MUTANTS = [
     id: 'async-cancel-queued',
     what: 'a copy off the JavaScript thread cancelled while queued still runs when a thread takes it (its post has settled already: bytes land after the caller was told they would not)',
     file: 'addon.cc',
-    find: /!__atomic_compare_exchange_n\(control, &queued, kCopyRunning, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST\)/,
-    replace: '(__atomic_store_n(control, kCopyRunning, __ATOMIC_SEQ_CST), false)',
+    find: /!__atomic_compare_exchange_n\(control_word_, &queued, kCopyRunning, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST\)/,
+    replace: '(__atomic_store_n(control_word_, kCopyRunning, __ATOMIC_SEQ_CST), false)',
     tests: ['test/async-copy.test.ts'],
   },
   {

@@ -253,7 +253,8 @@ class CopyWorker : public Napi::AsyncWorker {
   // The caller's control word (kCopyQueued when queued), referenced until the copy settles.
   void SetControl(Napi::Int32Array control) {
     control_ = Napi::Persistent(control.As<Napi::Object>());
-    state_.in.control = control.Data();
+    control_word_ = control.Data();
+    state_.in.control = control_word_;
   }
   void Execute() override;
   void OnOK() override;
@@ -265,6 +266,7 @@ class CopyWorker : public Napi::AsyncWorker {
   BatchPlan* batch_plan_;  // plan_'s, alive while plan_ is referenced
   Napi::ObjectReference generations_;
   Napi::ObjectReference control_;
+  int32_t* control_word_ = nullptr;  // control_'s element 0 (null: none)
   RunState state_;
   std::vector<uint64_t> gens_;
   BatchFailure failure_;
@@ -287,9 +289,8 @@ void CopyWorker::Execute() {
   // Claim the copy (queued -> copying): one the caller cancelled while it waited for this pool
   // thread is not started at all (the caller may have settled it already), and one whose
   // deadline passed while it waited fails before any byte moves.
-  int32_t* control = const_cast<int32_t*>(state_.in.control);
   int32_t queued = kCopyQueued;
-  if (control != nullptr && !__atomic_compare_exchange_n(control, &queued, kCopyRunning, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+  if (control_word_ != nullptr && !__atomic_compare_exchange_n(control_word_, &queued, kCopyRunning, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
     failure_.code = kAborted;
     failure_.message = "the copy was cancelled before it started (its transfer was aborted or timed out)";
     ok_ = false;

@@ -495,15 +495,16 @@ let plannedCopies: boolean | undefined;
 
 /**
  * A copy off the JavaScript thread that `signal` stops through its control word: aborted while
- * the copy still waits for a pool thread, it will never start, so the post settles at once
- * (with the signal's error); aborted while it runs, the copy stops at its next check and its
- * own rejection (once nothing touches the memory) settles the post. The listener is removed
- * when the post settles (the engine's signals outlive a post).
+ * the copy still waits for a pool thread, it will never start, so the post settles at once;
+ * aborted while it runs, the copy stops at its next check and its own rejection (once nothing
+ * touches the memory) settles the post. Either way the rejection is an AbortedError, which the
+ * caller turns into the signal's error. The listener is removed when the post settles (the
+ * engine's signals outlive a post).
  */
 function stoppable(copy: Promise<void>, control: Int32Array, signal: AbortSignal): Promise<void> {
   return new Promise<void>((resolve, reject) => {
     const onAbort = (): void => {
-      if (Atomics.exchange(control, 0, CopyControl.Cancelled) === CopyControl.Queued) reject(errorFromSignal(signal, 'cuda-ipc transfer'));
+      if (Atomics.exchange(control, 0, CopyControl.Cancelled) === CopyControl.Queued) reject(new AbortedError('the copy was cancelled before it started'));
     };
     signal.addEventListener('abort', onAbort, { once: true });
     copy.then(
@@ -1178,8 +1179,8 @@ class CudaIpcConnection implements TransportConnection {
       return copying.then(
         () => this.#copiedGenerations(batch, plan, options, generations),
         (e: unknown) => {
-          // Stopped by the signal: its reason (TimedOutError for the engine's deadline).
-          if (options.signal.aborted && (e instanceof AbortedError || e === options.signal.reason)) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
+          // Stopped by the signal (queued or running): its reason (TimedOutError for the engine's deadline).
+          if (e instanceof AbortedError && options.signal.aborted) throw errorFromSignal(options.signal, 'cuda-ipc transfer');
           throw this.#batchError(e, batch, plan);
         },
       );
